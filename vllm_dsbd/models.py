@@ -215,21 +215,29 @@ def build_tiny_llama(
     *,
     num_layers: int = 2,
     hidden_size: int = 64,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
     intermediate_size: int = 128,
     seed: int = 0,
     max_position_embeddings: int = 2048,
+    init_scale: float = 2.0,
 ) -> Path:
     """A random-weight Llama with the real SmolLM2 tokenizer (vocab 49152).
 
-    Deterministic for a seed; built once per (shape, seed) in ``out_dir``.
+    vLLM's CPU attention needs head_dim = hidden_size / num_heads in
+    {32, 64, 80, ...}: the defaults give 32.
+
+    Matrices are drawn from N(0, (init_scale / sqrt(fan_in))^2): the default
+    gives next-token entropies around 8.8 nats (max 10.8), so beams differ; a
+    larger ``init_scale`` makes the model more peaked. Deterministic for a
+    seed; built once per (shape, seed, scale) in ``out_dir``.
     """
     final_dir = Path(out_dir)
     source = {
         "tiny_llama": [num_layers, hidden_size, num_heads, num_kv_heads, intermediate_size],
         "seed": seed,
         "max_pos": max_position_embeddings,
+        "init_scale": init_scale,
     }
 
     def build(out: Path) -> None:
@@ -252,12 +260,11 @@ def build_tiny_llama(
         )
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-        # Larger-than-default init so the next-token distributions are peaked
-        # enough for beams to differ (std 0.02 gives near-uniform logits).
+        # HF's default init (std 0.02) gives near-uniform next-token logits.
         with torch.no_grad():
             for p in model.parameters():
                 if p.dim() > 1:
-                    p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5 * 4)
+                    p.normal_(0.0, init_scale / p.shape[-1] ** 0.5)
         model.save_pretrained(out)
         tok.save_pretrained(out)
 
@@ -272,7 +279,7 @@ def build_tiny_pair(root: str | os.PathLike, seed: int = 0) -> PreparedModels:
         root / "tiny-draft",
         num_layers=1,
         hidden_size=32,
-        num_heads=2,
+        num_heads=1,
         num_kv_heads=1,
         intermediate_size=64,
         seed=seed + 1,
