@@ -3,7 +3,8 @@
 vLLM discovers this package through the ``vllm.general_plugins`` entry point
 (``dsbd = vllm_dsbd:register``) and calls :func:`register` once in every
 process it starts: the front-end process, the engine core (scheduler) and each
-worker (model runner).
+worker (model runner). It refuses an untested vLLM and applies the patches in
+``vllm_dsbd/engine/patches.py`` (the ``dsbd`` speculative method).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def register() -> None:
     import vllm
 
     check_vllm_version(vllm.__version__)
+    from vllm_dsbd.engine import patches
+
+    patches.apply_all()
     _registered = True
     trace = os.environ.get(TRACE_REGISTER_ENV)
     if trace:

@@ -1,0 +1,59 @@
+"""DSBDConfig: validation with knob-naming errors, per-request overrides."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_dsbd.config import DSBDConfig
+
+
+def test_defaults_follow_algorithm_md():
+    c = DSBDConfig()
+    assert (c.beam_width, c.num_speculative_tokens, c.min_width, c.width_threshold) == (4, 4, 1, 0.7)
+    assert not c.memory_efficient and not c.uses_fixed_width
+
+
+@pytest.mark.parametrize(
+    "knobs, knob",
+    [
+        ({"beam_width": 0}, "beam_width"),
+        ({"beam_width": 2.5}, "beam_width"),
+        ({"beam_width": True}, "beam_width"),
+        ({"num_speculative_tokens": -1}, "num_speculative_tokens"),
+        ({"min_width": 0}, "min_width"),
+        ({"min_width": 5, "beam_width": 4}, "min_width"),
+        ({"width_threshold": 0.0}, "width_threshold"),
+        ({"width_threshold": 1.5}, "width_threshold"),
+        ({"width_threshold": float("nan")}, "width_threshold"),
+        ({"memory_efficient": "yes"}, "memory_efficient"),
+        ({"fixed_width": 1}, "fixed_width"),
+    ],
+)
+def test_bad_knob_error_names_knob_value_and_range(knobs, knob):
+    with pytest.raises(ValueError, match=rf"'{knob}'=.*allowed"):
+        DSBDConfig(**knobs)
+
+
+def test_fixed_width_by_flag_or_threshold_one():
+    assert DSBDConfig(fixed_width=True).uses_fixed_width
+    assert DSBDConfig(width_threshold=1.0).uses_fixed_width
+
+
+def test_unknown_knob_is_named():
+    with pytest.raises(ValueError, match=r"Unknown DSBD knob\(s\) \['beam_widht'\] in here"):
+        DSBDConfig.from_mapping({"beam_widht": 3}, where="here")
+
+
+def test_request_overrides_apply_and_keep_engine_maxima():
+    engine = DSBDConfig(beam_width=8, num_speculative_tokens=4)
+    req = engine.for_request({"beam_width": 2, "width_threshold": 0.5, "kv_transfer_params": None})
+    assert (req.beam_width, req.width_threshold, req.num_speculative_tokens) == (2, 0.5, 4)
+    assert engine.for_request(None) is engine
+    with pytest.raises(ValueError, match=r"'beam_width'=16, above the engine's maximum 8"):
+        engine.for_request({"beam_width": 16})
+    with pytest.raises(ValueError, match=r"'num_speculative_tokens'=5, above the engine's maximum 4"):
+        engine.for_request({"num_speculative_tokens": 5})
+    with pytest.raises(ValueError, match=r"Unknown DSBD knob.*'gamma'"):
+        engine.for_request({"gamma": 3})
+    with pytest.raises(ValueError, match=r"'beam_width'=0"):
+        engine.for_request({"beam_width": 0})

@@ -1,0 +1,114 @@
+"""DSBDConfig: every DSBD knob, validated once, with errors that say what to fix.
+
+Knob names follow ``shared/design/ALGORITHM.md`` everywhere (config, CLI,
+API, metrics). Engine-wide values come from the speculative config::
+
+    speculative_config={"method": "dsbd", "model": DRAFT,
+                        "num_speculative_tokens": 4, "beam_width": 8,
+                        "width_threshold": 0.7}
+
+and a request may override them through ``SamplingParams.extra_args`` (the
+OpenAI API's ``vllm_xargs``). The engine-wide ``beam_width`` and
+``num_speculative_tokens`` are maxima: the engine reserves KV slots and
+batch rows for them, so a request may ask for less, never more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+#: ``extra_args`` keys that vLLM itself reads (``vllm/v1/request.py``); they
+#: may sit beside DSBD knobs and are ignored here.
+VLLM_RESERVED_EXTRA_ARGS = frozenset({"kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode"})
+
+
+@dataclass(frozen=True)
+class DSBDConfig:
+    beam_width: int = 4
+    """W: the maximum number of beams of a request."""
+    num_speculative_tokens: int = 4
+    """γ: draft depth per iteration (0 = in-engine beam decoding, no draft)."""
+    min_width: int = 1
+    """Lower bound of the dynamic width."""
+    width_threshold: float = 0.7
+    """τ: keep w_i = max{k : P(K >= k) >= τ} beams per layer; 1.0 = fixed width."""
+    fixed_width: bool = False
+    """Always keep W beams (same as width_threshold = 1.0)."""
+    memory_efficient: bool = False
+    """Carry one beam between iterations (W_out = 1)."""
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, low=1)
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, low=0)
+        _check_int("min_width", self.min_width, low=1)
+        if self.min_width > self.beam_width:
+            raise ValueError(
+                f"DSBD knob 'min_width'={self.min_width} is larger than "
+                f"'beam_width'={self.beam_width}; allowed: 1 <= min_width <= beam_width."
+            )
+        _check_float("width_threshold", self.width_threshold, low=0.0, high=1.0, low_open=True)
+        _check_bool("fixed_width", self.fixed_width)
+        _check_bool("memory_efficient", self.memory_efficient)
+
+    @property
+    def uses_fixed_width(self) -> bool:
+        return self.fixed_width or self.width_threshold >= 1.0
+
+    @classmethod
+    def knob_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, where: str) -> DSBDConfig:
+        """Build from a dict of knobs; unknown keys are an error naming ``where``."""
+        return cls(**_known(values, where))
+
+    def for_request(self, extra_args: Mapping[str, Any] | None) -> DSBDConfig:
+        """This config with a request's ``extra_args`` overrides applied.
+
+        The engine-wide ``beam_width`` and ``num_speculative_tokens`` are upper
+        bounds for a request.
+        """
+        overrides = {k: v for k, v in (extra_args or {}).items() if k not in VLLM_RESERVED_EXTRA_ARGS}
+        if not overrides:
+            return self
+        merged = dataclasses.replace(self, **_known(overrides, "the request's extra_args (vllm_xargs)"))
+        for knob in ("beam_width", "num_speculative_tokens"):
+            if getattr(merged, knob) > getattr(self, knob):
+                raise ValueError(
+                    f"Request asks for DSBD knob '{knob}'={getattr(merged, knob)}, above the "
+                    f"engine's maximum {getattr(self, knob)} (set in --speculative-config); "
+                    f"allowed: {1 if knob == 'beam_width' else 0}..{getattr(self, knob)}."
+                )
+        return merged
+
+
+def _known(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    unknown = sorted(set(values) - set(DSBDConfig.knob_names()))
+    if unknown:
+        raise ValueError(
+            f"Unknown DSBD knob(s) {unknown} in {where}; allowed: {', '.join(DSBDConfig.knob_names())}."
+        )
+    return dict(values)
+
+
+def _check_int(name: str, value: Any, *, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"DSBD knob '{name}'={value!r} is invalid; allowed: an integer >= {low}.")
+
+
+def _check_float(name: str, value: Any, *, low: float, high: float, low_open: bool) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"DSBD knob '{name}'={value!r} is invalid; allowed: a number in {bracket}{low}, {high}].")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"DSBD knob '{name}'={value!r} is invalid; allowed: true or false.")
