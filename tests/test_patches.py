@@ -87,6 +87,19 @@ def test_bad_dsbd_knob_in_speculative_config(tiny_pair, spec, message):
         _engine_args(tiny_pair, **spec).create_engine_config()
 
 
+def test_dsbd_without_a_draft_model_is_refused(tiny_pair):
+    args = _engine_args(tiny_pair, num_speculative_tokens=2)
+    del args.speculative_config["model"]
+    with pytest.raises(ValueError, match=r"'dsbd' needs a draft model"):
+        args.create_engine_config()
+
+
+def test_dsbd_without_speculation_is_refused_as_not_implemented(tiny_pair):
+    args = _engine_args(tiny_pair, num_speculative_tokens=0)
+    with pytest.raises(patches.DSBDEngineNotImplementedError, match=r"'num_speculative_tokens'=0"):
+        args.create_engine_config()
+
+
 def test_draft_with_another_vocabulary_is_refused(tiny_pair, tmp_path):
     draft = tmp_path / "other-vocab-draft"
     shutil.copytree(tiny_pair.draft, draft)

@@ -40,6 +40,10 @@ UPSTREAM_SHA256 = {
 _applied = False
 
 
+class DSBDEngineNotImplementedError(NotImplementedError):
+    """A valid DSBD request for a part of the engine that does not exist yet."""
+
+
 def source_sha256(fn: Any) -> str:
     return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
 
@@ -211,6 +215,16 @@ def _dsbd_knobs_in_speculative_config() -> None:
         if spec_tokens is not None:
             knobs["num_speculative_tokens"] = spec_tokens
         dsbd = DSBDConfig.from_mapping(knobs, where="--speculative-config")
+        if not (raw.get("model") or self.spec_model):
+            raise ValueError(
+                "Speculative method 'dsbd' needs a draft model: set 'model' in "
+                "--speculative-config (or --spec-model) to a checkpoint with the target's vocabulary."
+            )
+        if dsbd.num_speculative_tokens == 0:
+            raise DSBDEngineNotImplementedError(
+                "DSBD knob 'num_speculative_tokens'=0 (in-engine beam decoding without a draft) "
+                "is not implemented yet; allowed today: an integer >= 1."
+            )
         if spec_tokens is None:
             raw["num_speculative_tokens"] = dsbd.num_speculative_tokens
         self.speculative_config = raw
@@ -249,10 +263,6 @@ def check_same_vocabulary(config: Any) -> None:
 #   remove-when: the DSBD scheduler/worker land; this patch then installs
 #            them as scheduler_cls/worker_cls instead.
 # ---------------------------------------------------------------------------
-class DSBDEngineNotImplementedError(NotImplementedError):
-    pass
-
-
 def _refuse_dsbd_engine() -> None:
     from vllm.engine.arg_utils import EngineArgs
 

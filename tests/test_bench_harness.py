@@ -1,0 +1,226 @@
+"""The benchmark harness (benchmarks/): metrics, timing and comparison checks, with mocked methods.
+
+No vLLM engine starts here; every expected value is computed by hand.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import harness, report
+from benchmarks.harness import Completion, Probes, Prompt
+from benchmarks.methods import METHODS, Settings, skip_reason
+
+EOS = 2
+
+
+def _prompts(n: int = 4, text: str = "hello") -> list[Prompt]:
+    return [Prompt(f"p{i}", "qa", f"{text} {i}", (10 + i, 11 + i)) for i in range(n)]
+
+
+class FakeClock:
+    """Returns the given instants in order: each timed call lasts the difference of a pair."""
+
+    def __init__(self, instants: list[float]):
+        self.instants = iter(instants)
+
+    def __call__(self) -> float:
+        return next(self.instants)
+
+
+def _run(generate, prompts, *, clock, counters=None, batch_size=1, warmup_tokens=3):
+    return harness.run_method(
+        "m",
+        generate,
+        prompts,
+        max_tokens=8,
+        batch_size=batch_size,
+        warmup_tokens=warmup_tokens,
+        eos_token_id=EOS,
+        probes=Probes(counters=counters, kv_usage=lambda: 0.25, num_kv_blocks=100),
+        rss=lambda: 3 * 2**20,
+        clock=clock,
+    )
+
+
+def test_percentile_interpolates_linearly():
+    assert harness.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
+    assert harness.percentile([4.0, 1.0, 3.0, 2.0], 90) == pytest.approx(3.7)  # 3 + 0.7 * (4 - 3)
+    assert harness.percentile([5.0], 90) == 5.0
+    with pytest.raises(ValueError):
+        harness.percentile([], 50)
+
+
+def test_distinct_n_pools_ngrams_across_beams():
+    beams = [[1, 2, 3], [1, 2, 4]]
+    assert harness.distinct_n(beams, 1) == pytest.approx(4 / 6)  # {1,2,3,4} of 6 tokens
+    assert harness.distinct_n(beams, 2) == pytest.approx(3 / 4)  # (1,2) twice, (2,3), (2,4)
+    assert harness.distinct_n([[1, 2, 3]], 1) is None  # one sequence: not a beam method
+
+
+def test_truncate_at_eos_keeps_the_first_eos():
+    assert harness.truncate_at_eos([5, 6, EOS, 0, EOS], EOS) == [5, 6, EOS]
+    assert harness.truncate_at_eos([5, 6], EOS) == [5, 6]
+
+
+def test_run_method_times_batches_excludes_warmup_and_computes_metrics():
+    calls = []
+    outputs = {"p0": [5, 6, EOS, 0, 0], "p1": [5, 6, 7, 8], "p2": [1] * 5, "p3": [3] * 8}
+
+    def generate(prompts, max_tokens):
+        calls.append(([p.id for p in prompts], max_tokens))
+        return [Completion([outputs[p.id], [9] * 3]) for p in prompts]
+
+    counter_values = iter([{"engine_steps": 5.0}, {"engine_steps": 17.0}])
+    # Four batches of one prompt lasting 1, 4, 2 and 3 s.
+    clock = FakeClock([0.0, 1.0, 1.0, 5.0, 5.0, 7.0, 7.0, 10.0])
+    run = _run(generate, _prompts(), clock=clock, counters=lambda: next(counter_values))
+
+    assert calls[0] == (["p0"], 3)  # the warm-up: first prompt, warmup_tokens, untimed
+    assert [c[0] for c in calls[1:]] == [["p0"], ["p1"], ["p2"], ["p3"]]
+    assert run.requests[0].beams[0] == [5, 6, EOS]  # cut after EOS
+
+    s = harness.summarize(run)
+    assert s["wall_s"] == pytest.approx(10.0)
+    assert s["output_tokens"] == 3 + 4 + 5 + 8
+    assert s["output_tokens_per_s"] == pytest.approx(2.0)
+    assert s["requests_per_s"] == pytest.approx(0.4)
+    assert s["latency_p50_s"] == pytest.approx(2.5)
+    assert s["latency_p90_s"] == pytest.approx(3.7)
+    assert s["target_forwards_per_output_token"] == pytest.approx(12 / 20)
+    assert s["peak_kv_blocks"] == 25
+    assert s["peak_rss_mib"] == pytest.approx(3.0)
+    # p0's beams [5,6,2] and [9,9,9]: 4 distinct of 6 tokens, 3 distinct of 4 bigrams.
+    assert s["distinct_1"] == pytest.approx((4 / 6 + 5 / 7 + 2 / 8 + 2 / 11) / 4)
+    assert s["mean_accepted_tokens_per_draft"] is None
+
+
+def test_batches_share_their_latency_and_unobservable_metrics_are_none():
+    def generate(prompts, max_tokens):
+        return [Completion([[7] * max_tokens]) for _ in prompts]
+
+    clock = FakeClock([0.0, 2.0, 2.0, 3.0])
+    run = harness.run_method(
+        "m", generate, _prompts(3), max_tokens=4, batch_size=2, warmup_tokens=0,
+        eos_token_id=EOS, rss=None, clock=clock,
+    )  # fmt: skip
+    assert [r.latency_s for r in run.requests] == [2.0, 2.0, 1.0]
+    s = harness.summarize(run)
+    assert s["wall_s"] == pytest.approx(3.0)
+    assert s["target_forwards_per_output_token"] is None
+    assert s["peak_rss_mib"] is None and s["peak_kv_blocks"] is None
+    assert s["distinct_2"] is None  # one sequence per request
+
+
+def test_speedup_is_baseline_wall_over_method_wall():
+    methods = {
+        "base": {"status": "ok", "wall_s": 10.0},
+        "fast": {"status": "ok", "wall_s": 2.5},
+        "gone": {"status": "skipped", "reason": "no draft"},
+    }
+    harness.add_speedups(methods, "base")
+    assert methods["base"]["speedup_vs_baseline"] == pytest.approx(1.0)
+    assert methods["fast"]["speedup_vs_baseline"] == pytest.approx(4.0)
+    assert "speedup_vs_baseline" not in methods["gone"]
+
+    no_base = {"base": {"status": "error", "reason": "x"}, "fast": {"status": "ok", "wall_s": 1.0}}
+    harness.add_speedups(no_base, "base")
+    assert no_base["fast"]["speedup_vs_baseline"] is None
+
+
+def test_prompt_set_hash_changes_with_text_tokens_and_order():
+    base = harness.prompt_set_hash(_prompts())
+    assert base == harness.prompt_set_hash(_prompts())
+    assert base != harness.prompt_set_hash(_prompts(text="goodbye"))
+    assert base != harness.prompt_set_hash(list(reversed(_prompts())))
+    other_tokens = [Prompt(p.id, p.category, p.text, p.token_ids + (1,)) for p in _prompts()]
+    assert base != harness.prompt_set_hash(other_tokens)
+
+
+def _result(profile: str, prompts: list[Prompt], max_tokens: int = 32) -> dict:
+    return {
+        "profile": profile,
+        "created": "now",
+        "prompt_set": {"hash": harness.prompt_set_hash(prompts)},
+        "settings": {"max_tokens": max_tokens},
+        "methods": {"a": {"status": "ok", "output_tokens_per_s": 2.0}, "b": {"status": "skipped"}},
+    }
+
+
+def test_comparison_refuses_different_prompt_sets_or_settings():
+    same = [_result("x", _prompts()), _result("y", _prompts())]
+    table = report.comparison_table(same)
+    assert "| a | 2 | 2 |" in table and "| b | skipped | skipped |" in table
+    with pytest.raises(harness.PromptSetMismatchError, match="prompt_set"):
+        report.comparison_table([_result("x", _prompts()), _result("y", _prompts(text="other"))])
+    with pytest.raises(harness.PromptSetMismatchError, match="settings"):
+        harness.check_comparable([_result("x", _prompts()), _result("y", _prompts(), max_tokens=64)])
+
+
+def test_compare_cli_exits_2_on_different_prompt_sets(tmp_path, capsys):
+    from benchmarks import compare
+
+    paths = []
+    for name, text in (("x", "hello"), ("y", "other")):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(_result(name, _prompts(text=text))))
+        paths.append(str(path))
+    assert compare.main(paths) == 2
+    assert "differ in prompt_set" in capsys.readouterr().err
+
+
+def test_methods_needing_a_draft_are_skipped_with_a_reason():
+    settings = Settings("target", None, beam_width=4, temperature=1.0, seed=0,
+                        num_speculative_tokens=4, width_threshold=0.7)  # fmt: skip
+    assert "--draft" in skip_reason(METHODS["vllm-draft-model"], settings)
+    assert skip_reason(METHODS["vllm-greedy"], settings) is None
+    for name in ("vllm-beam-search", "vllm-sampling", "hf-beam-search", "hf-beam-sampling", "dsbd-dynamic"):
+        assert name in METHODS
+
+
+def test_scoring_reads_the_logits_that_predict_each_output_token():
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from benchmarks.scoring import mean_logprob
+
+    vocab = 3
+    logits = torch.log(torch.tensor([[0.2, 0.3, 0.5], [0.1, 0.1, 0.8], [0.6, 0.2, 0.2], [1 / 3] * 3]))
+
+    def model(input_ids):
+        assert input_ids.shape == (1, 4)
+        return SimpleNamespace(logits=logits[: input_ids.shape[1], :vocab].unsqueeze(0))
+
+    # Prompt [0, 1], output [2, 0]: p(2) at position 1 is 0.8, p(0) at position 2 is 0.6.
+    expected = (torch.log(torch.tensor(0.8)) + torch.log(torch.tensor(0.6))).item() / 2
+    assert mean_logprob(model, [0, 1], [2, 0]) == pytest.approx(expected, rel=1e-5)
+    assert mean_logprob(model, [0, 1], []) is None
+
+
+def test_results_are_written_with_na_for_unobservable_metrics(tmp_path):
+    pytest.importorskip("matplotlib")
+    prompts = _prompts(1)
+    result = {
+        "profile": "t",
+        "created": "now",
+        "machine": {"cpu": "CPU", "cpu_cores": 2, "memory_gib": 24, "gpu": None, "vllm": "v",
+                    "torch": "t", "transformers": "x", "vllm_dsbd": "d", "git_commit": None},
+        "settings": {"max_tokens": 4, "batch_size": 1, "beam_width": 2, "temperature": 1.0, "seed": 0},
+        "prompt_set": {"file": "f", "num_prompts": 1, "hash": harness.prompt_set_hash(prompts)},
+        "baseline": "a",
+        "scoring": "s",
+        "methods": {
+            "a": {"status": "ok", "wall_s": 2.0, "speedup_vs_baseline": 1.0, "output_tokens_per_s": 2.0,
+                  "mean_logprob_per_token": -1.0, "target_forwards_per_output_token": None},
+            "b": {"status": "skipped", "reason": "needs a draft"},
+        },
+    }  # fmt: skip
+    record = harness.RequestRecord("a", "p0", "qa", 0, 2.0, [[5, 6]], mean_logprob=-1.0)
+    report.write_results(tmp_path, result, [record], {("a", "p0"): "hi"})
+    table = (tmp_path / "table.md").read_text()
+    assert "| a | 2.00 | 1.00x | 2.0 |" in table and "n/a" in table
+    assert "`b` skipped: needs a draft" in table
+    assert json.loads((tmp_path / "requests.jsonl").read_text())["text"] == "hi"
+    assert (tmp_path / "plot.png").stat().st_size > 0
