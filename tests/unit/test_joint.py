@@ -1,0 +1,106 @@
+"""Joint beam distributions, top-k/top-p on the joint, and sampling, on hand-made numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_dsbd.algorithm import (
+    beam_search_score,
+    joint_probs,
+    restrict_joint,
+    sample_from_uniforms,
+    sample_joint,
+    tempered_logprobs,
+)
+
+
+def test_joint_weights_beams_by_score_times_token_probability():
+    """P(b, v) = exp(S_b) p(v | b) / sum exp(S): beams weighted 1 : 3."""
+    scores = torch.tensor([[0.0, math.log(3.0)]], dtype=torch.float64)
+    token_lp = torch.tensor([[[0.5, 0.5], [0.1, 0.9]]]).log()
+    probs = joint_probs(scores, torch.tensor([[True, True]]), token_lp)
+    torch.testing.assert_close(probs, torch.tensor([[0.125, 0.125, 0.075, 0.675]]))
+
+
+def test_joint_ignores_invalid_beams_and_empty_groups():
+    """Invalid beam slots get zero mass whatever their rows hold; a group with none is all zeros."""
+    scores = torch.tensor([[-1.0, 5.0], [0.0, 0.0]], dtype=torch.float64)
+    token_lp = torch.tensor([[[0.2, 0.8], [float("nan"), 0.0]], [[0.5, 0.5], [0.5, 0.5]]]).log()
+    probs = joint_probs(scores, torch.tensor([[True, False], [False, False]]), token_lp)
+    torch.testing.assert_close(probs, torch.tensor([[0.2, 0.8, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+
+
+def test_joint_is_float32_for_bf16_logits():
+    """bf16 logits give float32 maths equal to upcasting first."""
+    logits = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(0)).bfloat16()
+    lp = tempered_logprobs(logits, 0.7)
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp, torch.log_softmax(logits.float() / 0.7, -1))
+    probs = joint_probs(torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), lp)
+    assert probs.dtype == torch.float32
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2))
+
+
+def test_temperature_sharpens_token_distribution():
+    """p_T ∝ p^(1/T): probabilities (1/3, 2/3) at T = 0.5 become (1/5, 4/5)."""
+    lp = tempered_logprobs(torch.tensor([0.0, math.log(2.0)]), 0.5)
+    torch.testing.assert_close(lp.exp(), torch.tensor([0.2, 0.8]))
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "expected"), [
+    (2, 1.0, [4 / 7, 3 / 7, 0, 0]),
+    (0, 0.6, [4 / 7, 3 / 7, 0, 0]),    # mass before the 3rd pair is 0.7 >= 0.6
+    (0, 0.75, [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0]),
+    (3, 0.5, [4 / 7, 3 / 7, 0, 0]),    # top-p on the renormalised top-3: 0.444 < 0.5 keeps the 2nd
+    (0, 1.0, [0.4, 0.3, 0.2, 0.1]),
+])
+def test_top_k_then_top_p_on_the_joint(top_k: int, top_p: float, expected: list[float]):
+    """Top-k, then top-p on the renormalised remainder, restrict the joint's support (pairs in shuffled order)."""
+    order = [2, 0, 3, 1]
+    joint = torch.tensor([[0.4, 0.3, 0.2, 0.1]])[:, order].log()
+    out = restrict_joint(joint, torch.tensor([top_k]), torch.tensor([top_p])).exp()
+    torch.testing.assert_close(out, torch.tensor([expected])[:, order])
+
+
+def test_top_k_ties_keep_lower_index():
+    """Equal joint probabilities: the lower flat index (lower beam, then token) is kept."""
+    joint = torch.tensor([[0.25, 0.25, 0.25, 0.25]]).log()
+    out = restrict_joint(joint, torch.tensor([3]), None).exp()
+    torch.testing.assert_close(out, torch.tensor([[1 / 3, 1 / 3, 1 / 3, 0.0]]))
+
+
+def test_restriction_is_per_group():
+    """Each group uses its own top-k/top-p; 0 and 1.0 mean off."""
+    joint = torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]]).log()
+    out = restrict_joint(joint, torch.tensor([1, 0]), torch.tensor([1.0, 1.0])).exp()
+    torch.testing.assert_close(out, torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.3, 0.2]]))
+
+
+def test_inverse_cdf_hits_each_index_in_proportion():
+    """A uniform grid of u lands on index i for exactly a p_i share of the grid, never on zero-mass entries."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0]])
+    grid = (torch.arange(400, dtype=torch.float32)[None] + 0.5) / 400
+    counts = torch.bincount(sample_from_uniforms(probs, grid)[0], minlength=6)
+    assert counts.tolist() == [0, 100, 0, 200, 100, 0]
+    edge = sample_from_uniforms(probs, torch.tensor([[0.0, 0.99999994]]))
+    assert edge.tolist() == [[1, 4]]
+
+
+def test_per_group_generators_do_not_depend_on_the_batch():
+    """With one generator per group, a group's draws are the same alone or in a batch."""
+    probs = torch.softmax(torch.randn(3, 10, generator=torch.Generator().manual_seed(1)), -1)
+    batch = sample_joint(probs, 5, [torch.Generator().manual_seed(s) for s in (1, 2, 3)])
+    alone = sample_joint(probs[1:2], 5, [torch.Generator().manual_seed(2)])
+    assert torch.equal(batch[1:2], alone)
+    with pytest.raises(ValueError, match="generators"):
+        sample_joint(probs, 5, [torch.Generator()])
+
+
+def test_beam_search_score_is_vllms():
+    """cum / max(len - [ends with EOS], 1) ** length_penalty, len including the prompt."""
+    score = beam_search_score(torch.tensor([-6.0, -6.0, -6.0]), torch.tensor([4, 4, 1]),
+                              torch.tensor([False, True, True]), torch.tensor(0.5))
+    torch.testing.assert_close(score, torch.tensor([-3.0, -6.0 / math.sqrt(3), -6.0], dtype=torch.float64))

@@ -1,0 +1,99 @@
+"""The DSBD algorithm on plain torch tensors (imports nothing from vLLM).
+
+- :mod:`.joint` — one beam step: tempered log-probs, the joint ``P(b, v) ∝
+  exp(S_b) p_T(v | x_b)`` over a group's live beams with top-k/top-p on the
+  joint, inverse-CDF sampling from explicit generators, and vLLM's
+  beam-search step (``T = 0``). Batched over groups with masks.
+- :mod:`.verify` — verification of a draft forest: per-layer multi-draft
+  rejection with residuals, the acceptance-count dynamic program and the
+  width rule, the whole iteration (:func:`verify_forest`), and lossless
+  speculative beam search (:func:`verify_forest_greedy`).
+- :mod:`.forest` — a group's forest as nodes and as root-to-leaf paths (the
+  form the engine runs through the target), with each node's owning position.
+- :mod:`.reference` — exact beam sampling, vLLM's beam search, and a complete
+  reference DSBD decoder over logits functions.
+- :mod:`.toy` — small random Markov models to test with.
+
+ALGORITHM.md (shared/design) is the contract; each module's docstring lists
+the decisions it makes where the contract leaves room.
+"""
+
+from vllm_dsbd.algorithm.forest import (
+    Forest,
+    ForestPaths,
+    ancestor_mask,
+    build_forest,
+    gather_node_rows,
+    root_to_leaf_paths,
+)
+from vllm_dsbd.algorithm.joint import (
+    BeamSearchStep,
+    Generators,
+    beam_search_score,
+    beam_search_step,
+    joint_logprobs,
+    joint_probs,
+    restrict_joint,
+    sample_from_uniforms,
+    sample_joint,
+    tempered_logprobs,
+    uniforms,
+)
+from vllm_dsbd.algorithm.reference import (
+    DecodeParams,
+    DecodeResult,
+    Hypothesis,
+    LogitsFn,
+    beam_sampling,
+    beam_search,
+    dsbd_decode,
+)
+from vllm_dsbd.algorithm.verify import (
+    ForestVerification,
+    GreedyForestVerification,
+    LayerVerification,
+    acceptance_count_distribution,
+    choose_width,
+    residual_ladder,
+    restrict_to_parents,
+    verify_forest,
+    verify_forest_greedy,
+    verify_layer,
+)
+
+__all__ = [
+    "BeamSearchStep",
+    "DecodeParams",
+    "DecodeResult",
+    "Forest",
+    "ForestPaths",
+    "ForestVerification",
+    "Generators",
+    "GreedyForestVerification",
+    "Hypothesis",
+    "LayerVerification",
+    "LogitsFn",
+    "acceptance_count_distribution",
+    "ancestor_mask",
+    "beam_sampling",
+    "beam_search",
+    "beam_search_score",
+    "beam_search_step",
+    "build_forest",
+    "choose_width",
+    "dsbd_decode",
+    "gather_node_rows",
+    "joint_logprobs",
+    "joint_probs",
+    "residual_ladder",
+    "restrict_joint",
+    "restrict_to_parents",
+    "root_to_leaf_paths",
+    "sample_from_uniforms",
+    "sample_joint",
+    "tempered_logprobs",
+    "uniforms",
+    "verify_forest",
+    "verify_forest_greedy",
+    "verify_layer",
+]

@@ -1,0 +1,240 @@
+"""Joint beam distributions: one beam step of beam sampling or beam search.
+
+Shapes use ``G`` (beam groups in the batch), ``B`` (beam slots of a group, some
+of them unused: ``beam_valid``), ``V`` (vocabulary) and ``N = B * V`` (pairs
+``(beam, token)`` flattened beam-major: ``index = beam * V + token``).
+
+Sampling (``T > 0``), per ALGORITHM.md::
+
+    p_T(v | x_b) = softmax(logits_b / T)(v)
+    P(b, v)      = exp(S_b) * p_T(v | x_b) / sum_b' exp(S_b')
+
+then ``top_k`` / ``top_p`` restrict the support of the *joint* ``P`` and
+renormalise. Decisions:
+
+- top-k is applied first, then top-p on the renormalised top-k set (the
+  order vLLM's sampler uses per token). Ties in the sort are broken by the
+  flat index, i.e. lower beam slot, then lower token id. ``top_k <= 0`` and
+  ``top_p >= 1`` mean "off".
+- All maths is float32 (scores may be float64; they enter as differences
+  ``S_b - logsumexp(S)``), whatever dtype the logits arrive in.
+- Sampling is by inverse CDF (float64 cumulative sum) from uniforms drawn
+  with an explicit generator: either one ``torch.Generator`` for the batch or
+  one per group (so a group's draws depend only on its own generator, which
+  lets tensor-parallel ranks agree and makes per-request seeds reproducible).
+
+Beam search (``T = 0``) is :func:`beam_search_step`: the selection rule of
+vLLM 0.32.0's built-in beam search (``entrypoints/generate/beam_search/``),
+vectorised over groups. See its docstring for the exact semantics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+Generators = torch.Generator | Sequence[torch.Generator]
+"""One generator for the whole batch, or one per group (in group order)."""
+
+
+def tempered_logprobs(logits: Tensor, temperature: float | Tensor) -> Tensor:
+    """``log softmax(logits / T)`` in float32.
+
+    logits: [..., V], any float dtype.
+    temperature: ``T > 0``; a float or a tensor broadcastable to ``logits[..., :1]``.
+    Returns [..., V] float32.
+    """
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def joint_logprobs(beam_scores: Tensor, beam_valid: Tensor, token_logprobs: Tensor) -> Tensor:
+    """Log of the joint ``P(b, v) ∝ exp(S_b) p(v | x_b)`` over valid beams.
+
+    beam_scores: [G, B] cumulative log-probs ``S_b`` (any float dtype).
+    beam_valid: [G, B] bool; invalid slots get probability 0 (their
+        ``token_logprobs`` rows may hold anything).
+    token_logprobs: [G, B, V] normalised per-beam log-probs.
+    Returns [G, B*V] float32; ``-inf`` outside the support. A group with no
+    valid beam is all ``-inf``.
+    """
+    scores = beam_scores.masked_fill(~beam_valid, float("-inf"))
+    norm = torch.logsumexp(scores, dim=-1, keepdim=True)
+    norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
+    beam_logp = (scores - norm).float()  # [G, B]
+    joint = beam_logp[:, :, None] + token_logprobs.float()
+    joint = joint.masked_fill(~beam_valid[:, :, None], float("-inf"))
+    return joint.flatten(1)
+
+
+def restrict_joint(joint: Tensor, top_k: Tensor | None = None, top_p: Tensor | None = None) -> Tensor:
+    """Restrict a joint log-distribution to its top-k, then top-p, support.
+
+    joint: [G, N] normalised log-probs.
+    top_k: [G] int (``<= 0``: off) or None. top_p: [G] float (``>= 1``: off) or None.
+    Returns [G, N] float32 log-probs, renormalised, ``-inf`` outside the kept set.
+    """
+    use_k = top_k is not None and bool((top_k > 0).any())
+    use_p = top_p is not None and bool((top_p < 1).any())
+    if not (use_k or use_p):
+        return joint
+    num = joint.shape[-1]
+    sorted_logp, order = torch.sort(joint, dim=-1, descending=True, stable=True)
+    keep = torch.ones_like(sorted_logp, dtype=torch.bool)
+    if use_k:
+        k = torch.where(top_k > 0, top_k, num)
+        keep &= torch.arange(num, device=joint.device)[None, :] < k[:, None]
+    if use_p:
+        probs = sorted_logp.double().exp() * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+        mass_before = probs.cumsum(-1) - probs
+        keep &= mass_before < top_p[:, None].double()
+    keep_flat = torch.zeros_like(keep).scatter(-1, order, keep)
+    kept = joint.masked_fill(~keep_flat, float("-inf"))
+    norm = torch.logsumexp(kept, dim=-1, keepdim=True)
+    norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
+    return kept - norm
+
+
+def joint_probs(
+    beam_scores: Tensor,
+    beam_valid: Tensor,
+    token_logprobs: Tensor,
+    top_k: Tensor | None = None,
+    top_p: Tensor | None = None,
+) -> Tensor:
+    """The (restricted) joint as probabilities.
+
+    Shapes as :func:`joint_logprobs`; top_k / top_p as :func:`restrict_joint`.
+    Returns [G, B*V] float32, rows summing to 1 (0 for groups with no valid beam).
+    """
+    return restrict_joint(joint_logprobs(beam_scores, beam_valid, token_logprobs), top_k, top_p).exp()
+
+
+def uniforms(generator: Generators, num_groups: int, num: int, device: torch.device | str) -> Tensor:
+    """[G, num] float32 uniforms in [0, 1): from one generator, or row g from generator[g]."""
+    if isinstance(generator, torch.Generator):
+        return torch.rand((num_groups, num), generator=generator, device=device)
+    if len(generator) != num_groups:
+        raise ValueError(f"got {len(generator)} generators for {num_groups} groups; pass one per group or one in all")
+    return torch.stack([torch.rand((num,), generator=g, device=device) for g in generator])
+
+
+def sample_from_uniforms(probs: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF draws: ``out[g, s]`` is a draw from ``probs[g]`` driven by ``u[g, s]``.
+
+    probs: [G, N] non-negative (need not sum to 1). u: [G, S] in [0, 1).
+    Returns [G, S] int64 indices with positive probability (rows with no mass
+    return ``N - 1``; callers must mask them).
+    """
+    cdf = torch.cumsum(probs, -1, dtype=torch.float64)
+    total = cdf[:, -1:].contiguous()
+    idx = torch.searchsorted(cdf, u.double() * total, right=True)
+    last_positive = torch.searchsorted(cdf, total, right=False)  # where the cdf reaches its total
+    return torch.minimum(idx, last_positive)
+
+
+def sample_joint(probs: Tensor, num_samples: int, generator: Generators) -> Tensor:
+    """``num_samples`` independent draws with replacement per group.
+
+    probs: [G, N]. Returns [G, num_samples] int64 flat indices (``beam * V + token``).
+    """
+    u = uniforms(generator, probs.shape[0], num_samples, probs.device)
+    return sample_from_uniforms(probs, u)
+
+
+@dataclass
+class BeamSearchStep:
+    """Result of :func:`beam_search_step` (``K = min(2W, V)`` candidates per beam)."""
+
+    parents: Tensor  # [G, W] beam slot of each new beam, best first
+    tokens: Tensor  # [G, W]
+    cum_logprobs: Tensor  # [G, W] float64
+    valid: Tensor  # [G, W] bool; fewer than W when there are fewer candidates
+    finished_parents: Tensor  # [G, B*K] beam slot of each EOS candidate, in vLLM's insertion order
+    finished_cum_logprobs: Tensor  # [G, B*K] float64
+    finished_valid: Tensor  # [G, B*K] bool
+
+
+def beam_search_score(cum_logprobs: Tensor, seq_lens: Tensor, ends_with_eos: Tensor, length_penalty: Tensor) -> Tensor:
+    """vLLM's ``get_beam_search_score``: ``cum / max(len - ends_with_eos, 1) ** length_penalty``.
+
+    ``seq_lens`` counts prompt and generated tokens. All args broadcast; float64 out.
+    """
+    seq_lens = (seq_lens - ends_with_eos.long()).clamp_min(1).double()
+    return cum_logprobs.double() / seq_lens**length_penalty
+
+
+def beam_search_step(
+    logprobs: Tensor,
+    beam_scores: Tensor,
+    beam_valid: Tensor,
+    seq_lens: Tensor,
+    beam_width: int,
+    eos_token_id: int | None,
+    ignore_eos: Tensor,
+    length_penalty: Tensor,
+) -> BeamSearchStep:
+    """One step of vLLM 0.32.0's built-in beam search, for many groups at once.
+
+    logprobs: [G, B, V] raw per-token log-probs (``log_softmax(logits)``).
+    beam_scores: [G, B] cumulative log-probs (float64 keeps vLLM's Python-float sums).
+    beam_valid: [G, B] bool. seq_lens: [G] tokens per beam now (prompt + generated).
+    ignore_eos: [G] bool. length_penalty: [G] float.
+
+    Semantics (``offline.py::_beam_search_step``): each beam proposes its top
+    ``2W`` tokens (vLLM requests ``logprobs = 2W``); candidates are taken in
+    insertion order (beam slot, then descending log-prob, ties by lower token
+    id). An EOS candidate becomes a finished hypothesis unless ``ignore_eos``
+    (even if it would not rank in the top W). The other candidates are sorted
+    by ``get_beam_search_score`` (stable, descending; ties keep insertion
+    order) and the first W are the new beams. The score uses the candidate's
+    full length (prompt included, minus one if it ends with EOS), which
+    matters for ordering only when ``ignore_eos`` keeps EOS beams alive.
+    The top-2W cut uses ``torch.topk`` and then re-sorts ties by token id; a
+    tie straddling the 2W boundary may keep a higher token id (as vLLM's own
+    top-k does, whose tie order is unspecified).
+    """
+    num_groups, num_beams, vocab = logprobs.shape
+    k = min(2 * beam_width, vocab)
+    vals, toks = torch.topk(logprobs.float(), k, dim=-1)  # [G, B, K]
+    toks, tie_order = torch.sort(toks, dim=-1)
+    vals = vals.gather(-1, tie_order)
+    vals, desc = torch.sort(vals, dim=-1, descending=True, stable=True)
+    toks = toks.gather(-1, desc)
+
+    cum = beam_scores.double()[:, :, None] + vals.double()  # [G, B, K]
+    if eos_token_id is None:
+        is_eos = torch.zeros_like(toks, dtype=torch.bool)
+    else:
+        is_eos = toks == eos_token_id
+    finished = beam_valid[:, :, None] & is_eos & ~ignore_eos[:, None, None]
+    live = beam_valid[:, :, None] & ~finished
+    score = beam_search_score(cum, seq_lens[:, None, None] + 1, is_eos, length_penalty.double()[:, None, None])
+
+    flat = (t.reshape(num_groups, num_beams * k) for t in (cum, toks, live, finished, score))
+    cum, toks, live, finished, score = flat
+    parents = torch.arange(num_beams, device=logprobs.device).repeat_interleave(k).expand(num_groups, -1)
+    # Stable sort by score, then stable sort live-first: the order of Python's
+    # sorted(..., reverse=True) over the live candidates, dead ones after.
+    order = torch.sort(score.masked_fill(~live, float("-inf")), dim=-1, descending=True, stable=True).indices
+    order = order.gather(-1, torch.sort((~live).gather(-1, order).to(torch.uint8), dim=-1, stable=True).indices)
+    top = order[:, :beam_width]
+    pad = beam_width - top.shape[1]
+    new_parents, new_tokens, new_cum, new_valid = (t.gather(-1, top) for t in (parents, toks, cum, live))
+    if pad > 0:  # fewer candidates than W in all (tiny vocabularies)
+        new_parents, new_tokens, new_valid = (
+            torch.cat([t, t.new_zeros(num_groups, pad)], dim=-1) for t in (new_parents, new_tokens, new_valid)
+        )
+        new_cum = torch.cat([new_cum, new_cum.new_full((num_groups, pad), float("-inf"))], dim=-1)
+    return BeamSearchStep(
+        parents=new_parents,
+        tokens=new_tokens,
+        cum_logprobs=new_cum,
+        valid=new_valid,
+        finished_parents=parents.clone(),
+        finished_cum_logprobs=cum,
+        finished_valid=finished,
+    )

@@ -1,0 +1,521 @@
+"""Verification of a draft forest against the target: layers, residuals, width.
+
+Notation (ALGORITHM.md, "One DSBD iteration"): at layer ``i`` of a group,
+``P`` is the target joint over the *valid* parents of the layer (the input
+beams at layer 1, the accepted non-EOS drafts of layer ``i-1`` after that)
+times the vocabulary, ``Q`` the draft joint the layer's ``W`` drafts were
+drawn from (over all draft parents), and ``Q' = Q`` restricted to the valid
+parents, *not* renormalised. Flattened pairs: ``index = parent * V + token``.
+
+One *slot* of a layer is a chain over the drafts, in draw order, with a
+current target distribution ``R`` (``R = P`` when the slot starts)::
+
+    draft j with a valid parent: accept with probability min(1, R(j) / Q'(j))
+    draft j with an invalid parent: reject
+    on rejection: R <- norm(max(R - Q', 0))        (also after invalid parents)
+    on acceptance: the slot's outcome is draft j; the next slot starts, R <- P
+
+A slot's outcome is exactly a draw from ``P`` (accept mass ``min(R, Q')``,
+reject mass ``sum max(R - Q', 0)``, residual ``max(R - Q', 0) / that``), so the
+slots of a layer are i.i.d. ``P``. The layer stops after ``w_i`` acceptances
+(*passes*: the accepted drafts are the valid parents of layer ``i+1``);
+otherwise it *fails* and outputs its slots: the accepted drafts, then one draw
+from the current ``R``, then fresh draws from ``P``, ``W_out`` in all (when
+more than ``W_out`` drafts were accepted, the first ``W_out``). If every
+layer passes, ``W_out`` beams are drawn from the target joint over the
+children of the last layer (the *bonus* layer).
+
+Decisions where ALGORITHM.md leaves room:
+
+- ``R`` is updated after *every* rejection, including a draft whose parent is
+  invalid (its rejection mass is part of ``1 - sum min(R, Q')``; skipping the
+  update would bias the slot).
+- If a residual has zero mass (rejection had probability zero up to rounding)
+  ``R`` is kept.
+- ``R`` after ``r`` rejections since the last acceptance is always ``R_r`` of
+  the layer's *residual ladder* (``R_0 = P``, ``R_{r+1} = norm(max(R_r - Q',
+  0))``), so each layer computes the ladder once (``W`` residuals, shared with
+  the width DP; with fixed width only the levels some group reaches) and a
+  group's chain state is the integer ``r``. Memory: one ``(W + 1) x G x W x V``
+  float buffer per :func:`verify_forest` call.
+- Width: ``K`` is the number of acceptances among all ``W`` drafts of a layer
+  (the layer passes iff ``K >= w_i``). ``w_i = max{k <= W : Pr(K >= k) >= τ}``
+  then ``max(w_i, min_width)``; ``τ >= 1`` means fixed width ``w_i = W``
+  (never decided by the rounding of ``Pr(K = W)``). The DP runs in float64.
+- Accepted drafts whose token is EOS (unless ``ignore_eos``) are finished
+  hypotheses and not parents of the next layer. A passing layer whose
+  accepted drafts are all EOS ends the group's iteration with no live output.
+- Memory-efficient mode is ``num_out = 1``; layers inside the iteration still
+  keep up to ``W`` beams.
+- Randomness: per verified layer a group uses ``W + W_out`` uniforms (one per
+  draft, one per output slot), per bonus layer ``W_out``. With one generator
+  per group, a group's results do not depend on the rest of the batch.
+
+Deterministic mode (``T = 0``) is :func:`verify_forest_greedy`: at each layer
+the target's own beam-search step (``joint.beam_search_step``, vLLM's rule)
+is computed from the parents' target log-probs; the layer passes iff every
+new beam is a draft node of that layer (same parent, same token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vllm_dsbd.algorithm.joint import (
+    Generators,
+    beam_search_step,
+    joint_probs,
+    sample_from_uniforms,
+    uniforms,
+)
+
+
+def restrict_to_parents(draft_joint: Tensor, parent_valid: Tensor) -> Tensor:
+    """``Q'``: the draft joint with invalid parents zeroed, not renormalised.
+
+    draft_joint: [G, B*V]. parent_valid: [G, B] bool. Returns [G, B*V].
+    """
+    num_groups, num_beams = parent_valid.shape
+    q = draft_joint.reshape(num_groups, num_beams, -1) * parent_valid[:, :, None]
+    return q.reshape(num_groups, -1)
+
+
+def _residual(current: Tensor, restricted_draft: Tensor, out: Tensor) -> Tensor:
+    """Write ``norm(max(R - Q', 0))`` into ``out`` (``R`` where that has no mass); return the mass [G].
+
+    current, restricted_draft, out: [G, N].
+    """
+    torch.sub(current, restricted_draft, out=out).clamp_(min=0)
+    mass = out.sum(-1, keepdim=True)
+    out.div_(mass.clamp_min(torch.finfo(out.dtype).tiny))
+    empty = mass[:, 0] <= 0
+    if bool(empty.any()):
+        out[empty] = current[empty]
+    return mass[:, 0]
+
+
+def residual_ladder(target: Tensor, restricted_draft: Tensor, depth: int,
+                    out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The layer's residuals ``R_0 = P``, ``R_{r+1} = norm(max(R_r - Q', 0))`` and acceptance rates.
+
+    target, restricted_draft: [G, N]. out: optional [depth + 1, G, N] buffer to
+    fill (reusing one across layers saves the allocation's page faults on CPU).
+    Returns ``ladder`` [depth + 1, G, N] and ``alpha`` [G, depth] float64 with
+    ``α_r = sum min(R_r, Q') = 1 - sum max(R_r - Q', 0)``. After ``r``
+    rejections since the last acceptance a slot's current target is ``R_r``, so
+    one ladder per layer serves every draft and the width DP.
+    """
+    ladder = target.new_empty((depth + 1, *target.shape)) if out is None else out
+    ladder[0] = target
+    masses = [_residual(ladder[r], restricted_draft, ladder[r + 1]) for r in range(depth)]
+    if not masses:
+        return ladder, target.new_zeros((target.shape[0], 0), dtype=torch.float64)
+    return ladder, (1 - torch.stack(masses, -1).double()).clamp(0, 1)
+
+
+def _fill_ladder(ladder: Tensor, levels: int, upto: int, target: Tensor, restricted_draft: Tensor) -> int:
+    """Compute ladder levels ``levels..upto`` in place (``ladder`` [W + 1, G, N]); return the levels filled."""
+    if levels == 0:
+        ladder[0] = target
+        levels = 1
+    while levels <= upto:
+        _residual(ladder[levels - 1], restricted_draft, ladder[levels])
+        levels += 1
+    return levels
+
+
+def _next_rejections(rejections: Tensor, accepted: Tensor, rejected: Tensor) -> Tensor:
+    """Rejections since the last acceptance: 0 after an acceptance (R <- P), +1 after a rejection. [G]."""
+    return torch.where(accepted, 0, torch.where(rejected, rejections + 1, rejections))
+
+
+def _next_parents(accepted: Tensor, tokens: Tensor, eos_token_id: int | None, ignore_eos: Tensor) -> Tensor:
+    """Valid parents of the next layer: accepted drafts that did not finish. [G, W] bool."""
+    if eos_token_id is None:
+        return accepted
+    return accepted & ((tokens != eos_token_id) | ignore_eos[:, None])
+
+
+def acceptance_count_distribution(alpha: Tensor) -> Tensor:
+    """Distribution of ``K``, the acceptances among a layer's ``W`` drafts.
+
+    alpha: [G, W] ``α_r`` of :func:`residual_ladder`: a draft seen after ``r``
+    rejections since the last acceptance is accepted with probability ``α_r``.
+    Returns [G, W + 1] float64, ``out[g, k] = Pr(K = k)``.
+
+    DP over ``r``: from state ``r`` a draft is accepted (-> state 0, ``K + 1``)
+    or rejected (-> ``r + 1``).
+    """
+    num_groups, num_drafts = alpha.shape
+    alpha = alpha.double()
+    # state[g, r, k]: Pr(r rejections since the last acceptance, k acceptances)
+    state = torch.zeros((num_groups, num_drafts + 1, num_drafts + 1), dtype=torch.float64, device=alpha.device)
+    state[:, 0, 0] = 1.0
+    for _ in range(num_drafts):
+        head = state[:, :num_drafts, :]  # states r < num_drafts can still see a draft
+        accept = (head * alpha[:, :, None]).sum(1)  # [G, k]
+        reject = head * (1 - alpha)[:, :, None]
+        state = torch.zeros_like(state)
+        state[:, 0, 1:] = accept[:, :-1]
+        state[:, 1:, :] = reject
+    return state.sum(1)
+
+
+def choose_width(count_distribution: Tensor, width_threshold: Tensor, min_width: Tensor | int) -> Tensor:
+    """The width rule ``w = max{k <= W : Pr(K >= k) >= τ}``, at least ``min_width``.
+
+    count_distribution: [G, W+1] ``Pr(K = k)``. width_threshold: [G] τ
+    (``>= 1``: fixed width W). min_width: [G] or int. Returns [G] int64.
+    """
+    max_width = count_distribution.shape[-1] - 1
+    tail = count_distribution.flip(-1).cumsum(-1).flip(-1)  # Pr(K >= k)
+    ks = torch.arange(max_width + 1, device=tail.device)
+    ok = tail >= width_threshold.double()[:, None]
+    ok[:, 0] = True
+    width = (ok * ks).amax(-1)
+    width = torch.where(width_threshold >= 1, max_width, width)
+    return torch.maximum(width, torch.as_tensor(min_width, device=width.device)).clamp(max=max_width)
+
+
+@dataclass
+class LayerVerification:
+    """Result of :func:`verify_layer`. Slots are in outcome order (first slot first)."""
+
+    accepted: Tensor  # [G, W] bool: draft j accepted
+    passed: Tensor  # [G] bool: `width` drafts accepted
+    out_index: Tensor  # [G, W] flat pair index of each slot outcome (valid for s < out_count)
+    out_draft: Tensor  # [G, W] draft j behind each accepted slot, -1 for residual/fresh draws
+    out_count: Tensor  # [G] `width` when passed, else `num_out`
+
+
+def verify_layer(
+    target: Tensor,
+    draft_joint: Tensor,
+    parent_valid: Tensor,
+    draft_index: Tensor,
+    draft_exists: Tensor,
+    width: Tensor,
+    num_out: int,
+    generator: Generators,
+    ladder: Tensor | None = None,
+    ladder_levels: int = 0,
+) -> LayerVerification:
+    """Accept drafts of one layer for many groups (see the module docstring).
+
+    target: [G, N] ``P`` over valid parents (zero rows on invalid ones).
+    draft_joint: [G, N] ``Q``, the distribution the drafts were drawn from.
+    parent_valid: [G, B] bool, ``N = B * V``.
+    draft_index: [G, W] flat pair index of draft j. draft_exists: [G, W] bool.
+    width: [G] ``w_i`` in 1..W. num_out: ``W_out`` (<= W), slots output on failure.
+    ladder: optional [W + 1, G, N] buffer for the :func:`residual_ladder` of ``P`` and
+        ``Q'``, its first ``ladder_levels`` levels already computed; the others are
+        computed when some group first needs them (a layer that accepts early
+        computes few residuals).
+    """
+    num_groups, num_drafts = draft_index.shape
+    device = target.device
+    if not 1 <= num_out <= num_drafts:
+        raise ValueError(f"num_out={num_out} must be in 1..{num_drafts} (the number of drafts per layer)")
+    vocab = target.shape[-1] // parent_valid.shape[-1]
+    restricted = restrict_to_parents(draft_joint, parent_valid)
+    if ladder is None:
+        ladder = target.new_empty((num_drafts + 1, *target.shape))
+    levels = _fill_ladder(ladder, ladder_levels, 0, target, restricted)
+    u = uniforms(generator, num_groups, num_drafts + num_out, device)
+
+    groups = torch.arange(num_groups, device=device)
+    rejections = torch.zeros(num_groups, dtype=torch.long, device=device)  # current R = ladder[rejections]
+    count = torch.zeros(num_groups, dtype=torch.long, device=device)
+    accepted = torch.zeros((num_groups, num_drafts), dtype=torch.bool, device=device)
+    out_index = torch.zeros((num_groups, num_drafts), dtype=torch.long, device=device)
+    out_draft = torch.full((num_groups, num_drafts), -1, dtype=torch.long, device=device)
+    draft_parent_valid = parent_valid.gather(1, draft_index // vocab) & draft_exists
+    for j in range(num_drafts):
+        live = count < width
+        x = draft_index[:, j]
+        levels = _fill_ladder(ladder, levels, int(rejections.max()), target, restricted)
+        r = ladder[rejections, groups, x]
+        q = restricted[groups, x]
+        acc = live & draft_parent_valid[:, j] & (q > 0) & (u[:, j] * q < r)
+        slot = count.clamp(max=num_drafts - 1)[:, None]
+        out_index.scatter_(1, slot, torch.where(acc[:, None], x[:, None], out_index.gather(1, slot)))
+        out_draft.scatter_(1, slot, torch.where(acc[:, None], j, out_draft.gather(1, slot)))
+        accepted[:, j] = acc
+        count = count + acc
+        rejections = _next_rejections(rejections, acc, live & ~acc)
+
+    passed = count >= width
+    if bool(passed.all()):
+        return LayerVerification(accepted, passed, out_index, out_draft, width.clone())
+    _fill_ladder(ladder, levels, int(rejections.max()), target, restricted)
+    u_out = u[:, num_drafts:]
+    from_residual = sample_from_uniforms(ladder[rejections, groups], u_out)  # [G, W_out]
+    from_target = sample_from_uniforms(target, u_out)
+    slots = torch.arange(num_out, device=device)[None, :]
+    fresh = torch.where(slots == count[:, None], from_residual, from_target)
+    fail_index = torch.where(slots < count[:, None], out_index[:, :num_out], fresh)
+    fail_draft = torch.where(slots < count[:, None], out_draft[:, :num_out], -1)
+    failed = ~passed[:, None]
+    out_index[:, :num_out] = torch.where(failed, fail_index, out_index[:, :num_out])
+    out_draft[:, :num_out] = torch.where(failed, fail_draft, out_draft[:, :num_out])
+    out_count = torch.where(passed, width, num_out)
+    return LayerVerification(accepted, passed, out_index, out_draft, out_count)
+
+
+@dataclass
+class ForestVerification:
+    """Result of :func:`verify_forest` for G groups (sampling mode).
+
+    Output beams live at depth ``out_depth = num_passed + 1`` (1-based layer;
+    ``num_layers + 1`` is the bonus layer): beam s is ``(parent node of layer
+    out_depth - 1, token)``; layer 0 nodes are the input beams.
+    """
+
+    num_passed: Tensor  # [G] layers passed
+    widths: Tensor  # [G, γ] w_i of each verified layer, 0 where not verified
+    accepted: Tensor  # [G, γ, W] bool: draft node accepted (passed layers and the failing one)
+    node_scores: Tensor  # [G, γ, W] float64 target score of draft nodes (meaningful for accepted ones)
+    out_parent: Tensor  # [G, W] node index in layer out_depth - 1
+    out_token: Tensor  # [G, W]
+    out_score: Tensor  # [G, W] float64 target cumulative score (tempered log-probs)
+    out_draft: Tensor  # [G, W] draft slot of layer out_depth the beam is, or -1
+    out_count: Tensor  # [G] output beams (W_out; 0 if no live parent remained)
+
+    @property
+    def out_depth(self) -> Tensor:  # [G]
+        return self.num_passed + 1
+
+    @classmethod
+    def _empty(cls, num_groups: int, gamma: int, width: int, device: torch.device) -> ForestVerification:
+        def full(shape, value, dtype=torch.long):
+            return torch.full(shape, value, dtype=dtype, device=device)
+
+        return cls(
+            num_passed=full((num_groups,), 0), widths=full((num_groups, gamma), 0),
+            accepted=full((num_groups, gamma, width), False, torch.bool),
+            node_scores=full((num_groups, gamma, width), float("-inf"), torch.float64),
+            out_parent=full((num_groups, width), 0), out_token=full((num_groups, width), 0),
+            out_score=full((num_groups, width), float("-inf"), torch.float64),
+            out_draft=full((num_groups, width), -1), out_count=full((num_groups,), 0),
+        )
+
+    def _store_outputs(self, rows: Tensor, index: Tensor, child_scores: Tensor, drafts: Tensor | None,
+                       vocab: int) -> None:
+        """Output pairs of groups ``rows``: flat ``index`` [g, W_out] into ``child_scores`` [g, W*V]."""
+        num_out = index.shape[1]
+        self.out_parent[rows, :num_out] = index // vocab
+        self.out_token[rows, :num_out] = index % vocab
+        self.out_score[rows, :num_out] = child_scores.gather(1, index)
+        self.out_draft[rows, :num_out] = -1 if drafts is None else drafts
+        self.out_count[rows] = num_out
+
+
+def verify_forest(
+    target_logprobs: Tensor,
+    root_scores: Tensor,
+    root_valid: Tensor,
+    draft_joints: Tensor,
+    draft_parents: Tensor,
+    draft_tokens: Tensor,
+    draft_exists: Tensor,
+    num_layers: Tensor,
+    width_threshold: Tensor,
+    min_width: Tensor | int,
+    num_out: int,
+    generator: Generators,
+    top_k: Tensor | None = None,
+    top_p: Tensor | None = None,
+    eos_token_id: int | None = None,
+    ignore_eos: Tensor | None = None,
+) -> ForestVerification:
+    """Verify one DSBD iteration of many groups (sampling mode, ``T > 0``).
+
+    target_logprobs: [G, γ+1, W, V] tempered target log-probs ``log p_T(· | node)``
+        of layer-0 nodes (input beams, padded to W) and of each draft layer's nodes.
+        Rows of nodes that are never valid parents may hold anything.
+    root_scores: [G, W] cumulative scores of the input beams. root_valid: [G, W] bool.
+    draft_joints: [G, γ, W*V] ``Q_i`` each layer was drawn from (parents = layer i-1 nodes).
+    draft_parents, draft_tokens: [G, γ, W] parent slot in layer i-1 and token of draft j.
+    draft_exists: [G, γ, W] bool. num_layers: [G] draft layers to verify (<= γ).
+    width_threshold: [G] τ (>= 1: fixed width). min_width: [G] or int (>= 1).
+    num_out: W_out. generator: one, or one per group. top_k, top_p, ignore_eos: [G] or None.
+    """
+    num_groups, depth, width, vocab = target_logprobs.shape
+    device = target_logprobs.device
+    if int(torch.as_tensor(min_width).min()) < 1:
+        raise ValueError("min_width must be >= 1: a layer that keeps no beam would end the group")
+    if ignore_eos is None:
+        ignore_eos = torch.zeros(num_groups, dtype=torch.bool, device=device)
+    min_width = torch.as_tensor(min_width, device=device).expand(num_groups)
+    out = ForestVerification._empty(num_groups, depth - 1, width, device)
+    ladder_buffer = None  # [W + 1, G, W*V], allocated at the first verified layer
+
+    parent_valid = root_valid.clone()  # [G, W] valid parents of the current layer
+    parent_scores = root_scores.double().clone()  # [G, W]
+    active = parent_valid.any(-1)  # groups still inside their iteration
+    for i in range(1, depth + 1):
+        rows = active.nonzero()[:, 0]
+        if rows.numel() == 0:
+            break
+        lp = target_logprobs[rows, i - 1]  # [g, W, V] at the parents
+        target = joint_probs(parent_scores[rows], parent_valid[rows], lp, _select(top_k, rows), _select(top_p, rows))
+        child_scores = (parent_scores[rows][:, :, None] + lp.double()).flatten(1)  # [g, W*V]
+
+        bonus = num_layers[rows] == i - 1  # every draft layer passed: draw from the children
+        if bool(bonus.any()):
+            index = sample_from_uniforms(target[bonus], uniforms(_generators(generator, rows[bonus]),
+                                                                 int(bonus.sum()), num_out, device))
+            out._store_outputs(rows[bonus], index, child_scores[bonus], None, vocab)
+            active[rows[bonus]] = False
+        check = ~bonus
+        if not bool(check.any()):
+            continue
+        rows, target, child_scores = rows[check], target[check], child_scores[check]
+        layer = i - 1
+        valid = parent_valid[rows]
+        draft_index = draft_parents[rows, layer] * vocab + draft_tokens[rows, layer]  # [g, W]
+        q = draft_joints[rows, layer]
+        restricted = restrict_to_parents(q, valid)
+        if ladder_buffer is None:
+            ladder_buffer = target.new_empty((width + 1, num_groups, target.shape[-1]))
+        ladder, levels = ladder_buffer[:, : rows.numel()], 0
+        if bool((width_threshold[rows] >= 1).all()):
+            layer_width = torch.full((rows.numel(),), width, dtype=torch.long, device=device)
+        else:  # the width DP needs every level
+            _, alpha = residual_ladder(target, restricted, width, ladder)
+            levels = width + 1
+            layer_width = choose_width(acceptance_count_distribution(alpha), width_threshold[rows], min_width[rows])
+        res = verify_layer(target, q, valid, draft_index, draft_exists[rows, layer], layer_width, num_out,
+                           _generators(generator, rows), ladder, levels)
+        out.widths[rows, layer] = layer_width
+        out.accepted[rows, layer] = res.accepted
+        out.node_scores[rows, layer] = child_scores.gather(1, draft_index)
+
+        failed = ~res.passed
+        out._store_outputs(rows[failed], res.out_index[failed, :num_out], child_scores[failed],
+                           res.out_draft[failed, :num_out], vocab)
+        out.num_passed[rows[failed]] = i - 1
+        active[rows[failed]] = False
+        passed = rows[res.passed]
+        out.num_passed[passed] = i
+        parent_valid[passed] = _next_parents(res.accepted[res.passed], draft_tokens[passed, layer], eos_token_id,
+                                             ignore_eos[passed])
+        parent_scores[passed] = out.node_scores[passed, layer]
+        active[passed] = parent_valid[passed].any(-1)
+    return out
+
+
+def _select(values: Tensor | None, rows: Tensor) -> Tensor | None:
+    return None if values is None else values[rows]
+
+
+def _generators(generator: Generators, rows: Tensor) -> Generators:
+    """The generators of groups ``rows`` (one shared generator stays shared)."""
+    if isinstance(generator, torch.Generator):
+        return generator
+    return [generator[r] for r in rows.tolist()]
+
+
+@dataclass
+class GreedyForestVerification:
+    """Result of :func:`verify_forest_greedy` (deterministic mode).
+
+    Step ``i`` (1-based) of the iteration computes the target's beams at depth
+    ``i``; steps ``1..num_passed + 1`` happened. The output beams are those of
+    step ``num_passed + 1``, best first, as ``(node of layer num_passed, token)``.
+    """
+
+    num_passed: Tensor  # [G]
+    out_parent: Tensor  # [G, W]
+    out_token: Tensor  # [G, W]
+    out_cum_logprob: Tensor  # [G, W] float64
+    out_valid: Tensor  # [G, W] bool
+    beam_nodes: Tensor  # [G, γ, W] draft node of the target's k-th beam after each passed layer, -1 if none
+    finished_parent: Tensor  # [G, γ+1, F] EOS hypotheses of each step: parent node of layer i-1
+    finished_cum_logprob: Tensor  # [G, γ+1, F] float64
+    finished_valid: Tensor  # [G, γ+1, F] bool, in vLLM's insertion order
+
+
+def verify_forest_greedy(
+    target_logprobs: Tensor,
+    root_scores: Tensor,
+    root_valid: Tensor,
+    draft_parents: Tensor,
+    draft_tokens: Tensor,
+    draft_exists: Tensor,
+    num_layers: Tensor,
+    seq_lens: Tensor,
+    beam_width: int,
+    eos_token_id: int | None,
+    ignore_eos: Tensor,
+    length_penalty: Tensor,
+) -> GreedyForestVerification:
+    """Lossless speculative beam search: the target's beam search, steps checked against the forest.
+
+    target_logprobs: [G, γ+1, W, V] raw target log-probs at layer-0 nodes
+        (the current beams, in their beam order) and at each draft layer's nodes.
+    root_scores: [G, W] float64 cumulative log-probs; root_valid: [G, W] bool.
+    draft_parents, draft_tokens, draft_exists: [G, γ, W] (drafts of a beam
+        search in the draft; parents index layer i-1 nodes).
+    num_layers: [G] draft layers usable (<= γ). seq_lens: [G] current beam length
+        (prompt + generated). ignore_eos: [G] bool. length_penalty: [G].
+
+    Step ``i`` is :func:`joint.beam_search_step` on the target's beams after
+    step ``i-1``. If ``i <= num_layers`` and each new beam equals a draft node
+    of layer ``i`` (same parent node, same token), the drafts' target log-probs
+    give step ``i+1``; otherwise the iteration ends with step ``i``'s beams.
+    Every step's EOS hypotheses are reported, whether or not it passed.
+    """
+    num_groups, depth, width_max, vocab = target_logprobs.shape
+    gamma = depth - 1
+    device = target_logprobs.device
+    beam_nodes = torch.full((num_groups, gamma, width_max), -1, dtype=torch.long, device=device)
+    order = torch.arange(width_max, device=device).expand(num_groups, -1).clone()  # node of the k-th beam
+    scores = root_scores.double().clone()
+    valid = root_valid.clone()
+    active = torch.ones(num_groups, dtype=torch.bool, device=device)
+    num_passed = torch.zeros(num_groups, dtype=torch.long, device=device)
+    out_parent = torch.zeros((num_groups, width_max), dtype=torch.long, device=device)
+    out_token = torch.zeros_like(out_parent)
+    out_cum = torch.full((num_groups, width_max), float("-inf"), dtype=torch.float64, device=device)
+    out_valid = torch.zeros((num_groups, width_max), dtype=torch.bool, device=device)
+    fin_parent, fin_cum, fin_valid = [], [], []
+    for i in range(1, gamma + 2):
+        lp = target_logprobs[:, i - 1].gather(1, order[:, :, None].expand(-1, -1, vocab))
+        step = beam_search_step(lp, scores, valid & active[:, None], seq_lens + i - 1, beam_width,
+                                eos_token_id, ignore_eos, length_penalty)
+        fin_parent.append(order.gather(1, step.finished_parents))
+        fin_cum.append(step.finished_cum_logprobs)
+        fin_valid.append(step.finished_valid)
+        new_parent_nodes = order.gather(1, step.parents)  # [G, W]
+        if i <= gamma:
+            layer = i - 1
+            match = (
+                draft_exists[:, layer, None, :]
+                & (draft_parents[:, layer, None, :] == new_parent_nodes[:, :, None])
+                & (draft_tokens[:, layer, None, :] == step.tokens[:, :, None])
+            )  # [G, beam k, draft j]
+            found = match.any(-1)
+            passed = active & (num_layers >= i) & step.valid.any(-1) & (found | ~step.valid).all(-1)
+        else:
+            passed = torch.zeros_like(active)
+        ending = active & ~passed
+        out_parent = torch.where(ending[:, None], new_parent_nodes, out_parent)
+        out_token = torch.where(ending[:, None], step.tokens, out_token)
+        out_cum = torch.where(ending[:, None], step.cum_logprobs, out_cum)
+        out_valid = torch.where(ending[:, None], step.valid, out_valid)
+        num_passed = torch.where(passed, i, num_passed)
+        if i <= gamma:
+            nodes = torch.where(step.valid, match.to(torch.uint8).argmax(-1), -1)
+            beam_nodes[:, i - 1] = torch.where(passed[:, None], nodes, -1)
+            order = torch.where(passed[:, None], nodes.clamp_min(0), order)
+            scores = torch.where(passed[:, None], step.cum_logprobs, scores)
+            valid = torch.where(passed[:, None], step.valid, valid)
+        active = passed
+    return GreedyForestVerification(
+        num_passed, out_parent, out_token, out_cum, out_valid, beam_nodes,
+        torch.stack(fin_parent, 1), torch.stack(fin_cum, 1), torch.stack(fin_valid, 1),
+    )
