@@ -21,6 +21,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+#: Where a DSBD engine keeps its DSBDConfig in ``VllmConfig.additional_config``
+#: (a plain dict: it travels pickled to the engine core and every worker).
+ADDITIONAL_CONFIG_KEY = "dsbd"
+
+#: ``extra_args`` keys starting with this are the plugin's own bookkeeping
+#: (added by the front-end), never user knobs.
+PRIVATE_PREFIX = "_dsbd"
+
 #: ``extra_args`` keys that vLLM itself reads (``vllm/v1/request.py``); they
 #: may sit beside DSBD knobs and are ignored here.
 VLLM_RESERVED_EXTRA_ARGS = frozenset({"kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode"})
@@ -40,6 +48,8 @@ class DSBDConfig:
     """Always keep W beams (same as width_threshold = 1.0)."""
     memory_efficient: bool = False
     """Carry one beam between iterations (W_out = 1)."""
+    length_penalty: float = 1.0
+    """Hypotheses are ranked by cum_logprob / len ** length_penalty (vLLM's beam-search score)."""
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, low=1)
@@ -53,10 +63,20 @@ class DSBDConfig:
         _check_float("width_threshold", self.width_threshold, low=0.0, high=1.0, low_open=True)
         _check_bool("fixed_width", self.fixed_width)
         _check_bool("memory_efficient", self.memory_efficient)
+        _check_float("length_penalty", self.length_penalty, low=0.0, high=math.inf, low_open=False)
 
     @property
     def uses_fixed_width(self) -> bool:
         return self.fixed_width or self.width_threshold >= 1.0
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> DSBDConfig | None:
+        """The engine's config, stored by the plugin in ``additional_config``; None if not a DSBD engine."""
+        stored = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY)
+        return None if stored is None else cls(**stored)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
     @classmethod
     def knob_names(cls) -> tuple[str, ...]:
@@ -73,7 +93,8 @@ class DSBDConfig:
         The engine-wide ``beam_width`` and ``num_speculative_tokens`` are upper
         bounds for a request.
         """
-        overrides = {k: v for k, v in (extra_args or {}).items() if k not in VLLM_RESERVED_EXTRA_ARGS}
+        overrides = {k: v for k, v in (extra_args or {}).items()
+                     if k not in VLLM_RESERVED_EXTRA_ARGS and not k.startswith(PRIVATE_PREFIX)}
         if not overrides:
             return self
         merged = dataclasses.replace(self, **_known(overrides, "the request's extra_args (vllm_xargs)"))

@@ -74,8 +74,12 @@ def multiset_draws(dist: dict[Hashable, float], num: int) -> Iterable[tuple[tupl
 
 def exact_beam_sampling(model, prompt: Seq, width: int, max_tokens: int, temperature: float = 1.0,
                         top_k: int = 0, top_p: float = 1.0, eos: int | None = None,
-                        ignore_eos: bool = False) -> dict[tuple[Seq, ...], float]:
-    """Exact distribution of the complete output of beam sampling (ALGORITHM.md)."""
+                        ignore_eos: bool = False, uniform_parents: bool = False) -> dict[tuple[Seq, ...], float]:
+    """Exact distribution of the complete output of beam sampling (ALGORITHM.md).
+
+    ``uniform_parents`` gives a *wrong* procedure (every live beam weighted
+    equally instead of by exp(score)), for checking that a test has power.
+    """
     logprobs = token_logprobs_fn(model, prompt, temperature)
 
     @lru_cache(maxsize=None)
@@ -89,7 +93,7 @@ def exact_beam_sampling(model, prompt: Seq, width: int, max_tokens: int, tempera
             if not live:
                 new_states[(live, finished)] += prob
                 continue
-            beam_w = [math.exp(score(seq)) for seq in live]
+            beam_w = [1.0 if uniform_parents else math.exp(score(seq)) for seq in live]
             total_w = sum(beam_w)
             pairs, seqs = [], []
             for seq, w in zip(live, beam_w):

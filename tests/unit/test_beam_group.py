@@ -1,0 +1,122 @@
+"""BeamGroup: which internal requests continue, fork or die, and how hypotheses are ranked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams
+from vllm_dsbd.engine.protocol import BeamChoice, GroupDecision, TokenLogprob
+
+EOS = 2
+
+
+@dataclass(eq=False)
+class Req:
+    request_id: str
+
+
+def params(**kw) -> BeamParams:
+    base = dict(beam_width=3, n=3, temperature=0.0, top_k=0, top_p=1.0, length_penalty=1.0, max_tokens=8,
+                ignore_eos=False, eos_token_id=EOS, num_logprobs=-1, seed=0)
+    return BeamParams(**{**base, **kw})
+
+
+def choice(parent, token, score):
+    return BeamChoice(parent, token, score, TokenLogprob(score, 1))
+
+
+def decision(beams, finished=()):
+    return GroupDecision("g", [choice(*b) for b in beams], [choice(*f) for f in finished])
+
+
+def three_beam_group(**kw) -> tuple[BeamGroup, list[Req]]:
+    """A group whose live beams are a, b, c (tokens 10, 11, 12 after the root step)."""
+    root = Req("root")
+    group = BeamGroup("g", ["u0", "u1", "u2"], prompt_len=4, params=params(**kw), root_request=root)
+    effects = group.apply(decision([(0, 10, -1.0), (0, 11, -2.0), (0, 12, -3.0)]))
+    reqs = [root]
+    for fork in effects.forks:
+        fork.child.request = Req(f"fork{len(reqs)}")
+        reqs.append(fork.child.request)
+    return group, reqs
+
+
+def test_root_step_continues_the_root_and_forks_the_rest():
+    group, (a, b, c) = three_beam_group()
+    assert [bm.tokens for bm in group.beams] == [[10], [11], [12]]
+    assert [bm.request for bm in group.beams] == [a, b, c]
+    assert group.num_generated == 1 and not group.done
+
+
+def test_worked_example_first_child_continues_extra_children_fork_childless_parents_free():
+    group, (a, b, c) = three_beam_group()
+    effects = group.apply(decision([(0, 5, -1.5), (2, 7, -3.5), (0, 9, -2.5)]))
+    assert effects.continues == [(a, 5), (c, 7)]
+    assert [(f.parent, f.child.tokens) for f in effects.forks] == [(a, [10, 9])]
+    assert effects.frees == [b]
+    assert [bm.tokens for bm in group.beams] == [[10, 5], [12, 7], [10, 9]]
+    assert [bm.score for bm in group.beams] == [-1.5, -3.5, -2.5]
+    assert group.beams[2].request is None  # the scheduler creates the fork's request
+
+
+def test_finished_hypotheses_take_the_parent_tokens_plus_eos():
+    group, _ = three_beam_group()
+    group.apply(decision([(0, 5, -1.5)], finished=[(1, EOS, -2.2)]))
+    assert [h.tokens for h in group.finished] == [(11, EOS)]
+    assert group.finished[0].finish_reason == "stop"
+
+
+def test_group_is_done_at_max_tokens_or_without_live_beams():
+    group, _ = three_beam_group(max_tokens=2)
+    group.apply(decision([(0, 5, -1.5)]))
+    assert group.done
+    with pytest.raises(RuntimeError, match="finished"):
+        group.apply(decision([(0, 5, -1.5)]))
+    group, _ = three_beam_group()
+    group.apply(decision([], finished=[(0, EOS, -1.1)]))
+    assert group.done and group.beams == []
+
+
+def test_results_rank_finished_and_live_by_vllms_length_normalised_score():
+    # prompt_len 4; the EOS hypothesis counts 4 + 2 - 1 = 5 tokens, live ones 4 + 2 = 6.
+    group, _ = three_beam_group(length_penalty=1.0, n=2, max_tokens=2)
+    group.apply(decision([(0, 5, -6.0), (1, 6, -6.9)], finished=[(2, EOS, -5.5)]))
+    best = group.results()
+    assert [h.tokens for h in best] == [(10, 5), (12, EOS)]  # -6/6 = -1.0 > -5.5/5 = -1.1 > -6.9/6
+    assert [h.finish_reason for h in best] == ["length", "stop"]
+    assert best[0].score == pytest.approx(-1.0) and best[1].score == pytest.approx(-1.1)
+
+
+def test_length_penalty_zero_ranks_by_cumulative_score():
+    group, _ = three_beam_group(length_penalty=0.0, n=3, max_tokens=2)
+    group.apply(decision([(0, 5, -6.0), (1, 6, -6.9)], finished=[(2, EOS, -5.5)]))
+    assert [h.cum_score for h in group.results()] == [-5.5, -6.0, -6.9]
+
+
+def test_ties_keep_finished_before_live_as_vllm_does():
+    group, _ = three_beam_group(length_penalty=0.0, n=2, max_tokens=2)
+    group.apply(decision([(0, 5, -4.0)], finished=[(1, EOS, -4.0)]))
+    assert [h.tokens for h in group.results()] == [(11, EOS), (10, 5)]
+
+
+def test_ignore_eos_keeps_scoring_eos_as_vllm_does():
+    group, _ = three_beam_group(ignore_eos=True, n=1, max_tokens=2)
+    group.apply(decision([(0, EOS, -5.0)]))
+    (best,) = group.results()
+    assert best.tokens == (10, EOS) and best.score == pytest.approx(-5.0 / 5) and best.finish_reason == "length"
+
+
+def test_parent_out_of_range_is_an_error():
+    group, _ = three_beam_group()
+    with pytest.raises(ValueError, match="out of range"):
+        group.apply(decision([(3, 5, -1.0)]))
+
+
+def test_plan_lists_live_beams_in_beam_order():
+    group, (a, b, c) = three_beam_group(seed=7)
+    plan = group.plan()
+    assert plan.req_ids == ("root", "fork1", "fork2")
+    assert plan.scores == (-1.0, -2.0, -3.0)
+    assert plan.seq_len == 5 and plan.step == 1 and plan.seed == 7
