@@ -61,3 +61,66 @@ def tiny_llm(tiny_pair):
     llm = _make_llm(str(tiny_pair.target), max_model_len=512, kv_cache_memory_bytes=256 << 20)
     yield llm
     del llm
+
+
+@pytest.fixture(scope="session")
+def tiny_eos_target(tiny_pair) -> Path:
+    """The tiny target with its (tied) EOS embedding row tripled: EOS is among a beam's top 8 ~9 % of the time."""
+    return _eos_prone_copy(tiny_pair.target, models.cache_root() / "tiny" / "tiny-target-eos3", scale=3.0)
+
+
+def _eos_prone_copy(base: Path, out_dir: Path, scale: float) -> Path:
+    """A copy of a tied-embedding checkpoint with its EOS embedding row (so its EOS logit) scaled."""
+    source = {"base": base.name, "base_manifest": models._sha256(base / models.MANIFEST), "eos_scale": scale}
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(base)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        with torch.no_grad():
+            model.get_input_embeddings().weight[tok.eos_token_id] *= scale
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+
+    return models._build_atomically(out_dir, source, build)
+
+
+def dsbd_engine_kwargs(model: str, **speculative) -> dict:
+    """A DSBD engine without a draft (in-engine beam decoding), stats on for KV-usage checks."""
+    from vllm_dsbd.demo import engine_kwargs
+
+    kwargs = engine_kwargs(model)
+    kwargs["speculative_config"] = {"method": "dsbd", "num_speculative_tokens": 0, "beam_width": 8, **speculative}
+    kwargs["disable_log_stats"] = False
+    return kwargs
+
+
+@pytest.fixture(scope="session")
+def dsbd_tiny_llm(tiny_eos_target):
+    """A DSBD beam engine on the EOS-prone tiny target, shared by the session."""
+    from vllm import LLM
+
+    llm = LLM(**{**dsbd_engine_kwargs(str(tiny_eos_target)), "max_model_len": 512,
+                 "kv_cache_memory_bytes": 256 << 20})
+    yield llm
+    del llm
+
+
+@pytest.fixture(scope="session")
+def tiny_eos_llm(tiny_eos_target):
+    """A plain vLLM engine on the EOS-prone tiny target (vLLM's own beam search is the reference)."""
+    llm = _make_llm(str(tiny_eos_target), max_model_len=512, kv_cache_memory_bytes=256 << 20)
+    yield llm
+    del llm
+
+
+@pytest.fixture(scope="session")
+def dsbd_target_llm(target_path):
+    """A DSBD beam engine on the default SmolLM2 target, shared by the session."""
+    from vllm import LLM
+
+    llm = LLM(**dsbd_engine_kwargs(str(target_path)))
+    yield llm
+    del llm

@@ -24,6 +24,14 @@ def test_upstream_source_under_each_patch_is_unchanged(qualname):
     )
 
 
+@pytest.mark.parametrize("qualname", sorted(patches.SUBCLASSED_SHA256))
+def test_upstream_source_the_dsbd_engine_subclasses_is_unchanged(qualname):
+    fn = patches.upstream_function(qualname)
+    assert patches.source_sha256(fn) == patches.SUBCLASSED_SHA256[qualname], (
+        f"vLLM changed {qualname}: re-check the DSBD scheduler/runner/worker in vllm_dsbd/engine/"
+    )
+
+
 def test_upstream_method_literal_still_has_draft_model_and_not_dsbd():
     from vllm.config import speculative as S
 
@@ -68,10 +76,36 @@ def _engine_args(tiny_pair, **spec):
     )
 
 
-def test_valid_dsbd_config_is_validated_then_refused_clearly(tiny_pair):
+def test_dsbd_with_a_draft_is_validated_then_refused_clearly(tiny_pair):
     args = _engine_args(tiny_pair, num_speculative_tokens=3, beam_width=8, width_threshold=0.5)
     with pytest.raises(patches.DSBDEngineNotImplementedError, match=r"beam_width=8.*not implemented"):
         args.create_engine_config()
+
+
+def test_dsbd_without_a_draft_installs_the_beam_engine(tiny_pair):
+    """num_speculative_tokens=0: no vLLM speculative config; DSBD scheduler, worker and knobs installed."""
+    from vllm_dsbd.config import DSBDConfig
+
+    args = _engine_args(tiny_pair, num_speculative_tokens=0, beam_width=8, length_penalty=0.5)
+    del args.speculative_config["model"]
+    config = args.create_engine_config()
+    assert config.speculative_config is None
+    assert config.scheduler_config.scheduler_cls == patches.ENGINE_CLASSES["scheduler_cls"]
+    assert config.parallel_config.worker_cls == patches.ENGINE_CLASSES["cpu_worker_cls"]
+    assert not config.scheduler_config.async_scheduling
+    assert DSBDConfig.from_vllm_config(config) == DSBDConfig(beam_width=8, num_speculative_tokens=0,
+                                                             length_penalty=0.5)
+
+
+def test_other_engines_are_untouched(tiny_pair):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_dsbd.config import DSBDConfig
+
+    config = EngineArgs(model=str(tiny_pair.target), dtype="float32", max_model_len=512, enforce_eager=True,
+                        kv_cache_memory_bytes=256 << 20, block_size=32).create_engine_config()
+    assert DSBDConfig.from_vllm_config(config) is None
+    assert "dsbd" not in str(config.scheduler_config.scheduler_cls)
 
 
 @pytest.mark.parametrize(
@@ -80,6 +114,8 @@ def test_valid_dsbd_config_is_validated_then_refused_clearly(tiny_pair):
         ({"num_speculative_tokens": 2, "beam_width": 0}, r"'beam_width'=0"),
         ({"num_speculative_tokens": 2, "width_threshold": 2}, r"'width_threshold'=2"),
         ({"num_speculative_tokens": 2, "beam_widht": 4}, r"Unknown key\(s\) \['beam_widht'\]"),
+        ({"num_speculative_tokens": 0}, r"'num_speculative_tokens'=0 decodes beams without a draft"),
+        ({"num_speculative_tokens": 2, "length_penalty": -1.0}, r"'length_penalty'=-1.0"),
     ],
 )
 def test_bad_dsbd_knob_in_speculative_config(tiny_pair, spec, message):
@@ -87,17 +123,28 @@ def test_bad_dsbd_knob_in_speculative_config(tiny_pair, spec, message):
         _engine_args(tiny_pair, **spec).create_engine_config()
 
 
-def test_dsbd_without_a_draft_model_is_refused(tiny_pair):
+def test_dsbd_speculation_without_a_draft_model_is_refused(tiny_pair):
     args = _engine_args(tiny_pair, num_speculative_tokens=2)
     del args.speculative_config["model"]
-    with pytest.raises(ValueError, match=r"'dsbd' needs a draft model"):
+    with pytest.raises(ValueError, match=r"needs a draft model.*num_speculative_tokens to 0"):
         args.create_engine_config()
 
 
-def test_dsbd_without_speculation_is_refused_as_not_implemented(tiny_pair):
+def test_user_scheduler_or_worker_class_is_refused(tiny_pair):
     args = _engine_args(tiny_pair, num_speculative_tokens=0)
-    with pytest.raises(patches.DSBDEngineNotImplementedError, match=r"'num_speculative_tokens'=0"):
+    del args.speculative_config["model"]
+    args.worker_cls = "my.Worker"
+    with pytest.raises(ValueError, match=r"installs its own worker"):
         args.create_engine_config()
+
+
+def test_greedy_n_above_one_is_allowed_for_beam_requests_only():
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+
+    assert SamplingParams(n=3, temperature=0.0, extra_args={"beam_width": 4}).n == 3
+    with pytest.raises(VLLMValidationError, match="n must be 1 when using greedy sampling"):
+        SamplingParams(n=3, temperature=0.0)
 
 
 def test_draft_with_another_vocabulary_is_refused(tiny_pair, tmp_path):

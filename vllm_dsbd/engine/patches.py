@@ -13,7 +13,7 @@ import hashlib
 import inspect
 from typing import Any, Literal, get_args
 
-from vllm_dsbd.config import DSBDConfig
+from vllm_dsbd.config import ADDITIONAL_CONFIG_KEY, DSBDConfig
 
 METHOD = "dsbd"
 
@@ -32,8 +32,60 @@ UPSTREAM_SHA256 = {
     "vllm.engine.arg_utils.EngineArgs.create_engine_config": (
         "b9b94288f46d2f679c3f30825ddd2eb3b1f6a9958115c80505c4c948b972150f"
     ),
-    "vllm.engine.arg_utils.EngineArgs.create_speculative_config": (
-        "489aa2fc045a50957f16bbc80987c07a4ac4993ab0a8d57a430c7030a02d70c6"
+    "vllm.v1.engine.input_processor.InputProcessor.process_inputs": (
+        "e22b5f772979054c158de62fa720f7a03db03382a91902852c9148d0144cd27b"
+    ),
+    "vllm.sampling_params.SamplingParams._verify_greedy_sampling": (
+        "529c7d627c6fffd5b7cea3f0f7a4a46dec242fa5089429f9944bc6db1ff5e433"
+    ),
+    "vllm.entrypoints.generate.beam_search.offline.BeamSearchOfflineMixin.beam_search": (
+        "b4b93229fd76b6a8bc9cbaafe3c57b58560698e1f30bed2ddd96e12f5378fc5f"
+    ),
+}
+
+#: sha256 of upstream functions the DSBD scheduler, runner and workers
+#: override or depend on (they subclass rather than patch, but rely on how
+#: these behave: SchedulerOutput layout, the order of finished/new request
+#: handling and block copies in the worker, the discard mask, ...).
+SUBCLASSED_SHA256 = {
+    "vllm.v1.core.sched.scheduler.Scheduler.schedule": (
+        "da4f2cf2fc39c39e76fdefa09b755d72d6b51d39fdc26830f0859ea688ded2ca"
+    ),
+    "vllm.v1.core.sched.scheduler.Scheduler.update_from_output": (
+        "85b29db96051135c2e8efcb26637eb46d30b8b7707e947ccf4f86f6fdc613c49"
+    ),
+    "vllm.v1.core.sched.scheduler.Scheduler.add_request": (
+        "fa2b51cd04a909775622d085b0f9ff4059cdf0c2e0d411f0aad2ff3c36e74acc"
+    ),
+    "vllm.v1.core.sched.scheduler.Scheduler.finish_requests": (
+        "b7a4ef7b8aa588bf394aed5f487a02d8e934da1366e25757446b05198007f996"
+    ),
+    "vllm.v1.core.sched.scheduler.Scheduler._make_cached_request_data": (
+        "8aeb1dc3ba937dd2996c0d0d1fafc06b0b00cf17fa1ef23f14f03c64f1ffacc7"
+    ),
+    "vllm.v1.core.sched.scheduler.Scheduler._free_request": (
+        "1b386dca84e6bb7308e3531e4ceb53789eab846db6211784eb49a8d9b4ebc7e7"
+    ),
+    "vllm.v1.core.kv_cache_manager.KVCacheManager.take_kv_cache_block_copies": (
+        "807042512478e8f2c74e1ad969954b683e3c61db7dd7255282d549155ca49bf9"
+    ),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._sample": (
+        "5cb5c1da02cfdc689acb7bab51ca7eb56e2ef3b19bea4b92fc6ca4370be2cf5a"
+    ),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync": (
+        "13c3e81003a7e168f5cd7a0a04bbc70b16d6c54c18ae4edbf41a45f73c3b6ea1"
+    ),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._update_states": (
+        "326599f31b273b945fd7fc488f5e022c3b2d98d34fb74d2e9ce546e2abcdc892"
+    ),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens": (
+        "047e6a4738dead564fe9b997672e5737a9af3514a1b07fbc87c9f7df6a372d1b"
+    ),
+    "vllm.v1.worker.cpu_worker.CPUWorker.init_device": (
+        "11721464aeb0de34c17055fee454c78485fe0470af47cdbfe74ee7cd1a42474d"
+    ),
+    "vllm.v1.worker.gpu_worker.Worker._make_model_runner": (
+        "3817214704e1e262501988b3355525be27d1a61424ff9db1da1be11016fa2be4"
     ),
 }
 
@@ -181,62 +233,127 @@ def _speculative_method_flag() -> None:
 
 
 # ---------------------------------------------------------------------------
-# Patch 5 — DSBD knobs ride in --speculative-config, validated once.
-#   target:  vllm.engine.arg_utils.EngineArgs.create_speculative_config
-#   why:     SpeculativeConfig forbids unknown keys, but users put
-#            `beam_width`, `width_threshold`, ... next to "method": "dsbd".
-#   how:     pop the DSBD knobs, validate them into a DSBDConfig (clear
-#            errors), pass the rest on; the result is attached to the
-#            SpeculativeConfig as `dsbd` (it travels pickled to every process)
-#            and the draft's vocabulary is checked against the target's.
-#   remove-when: vLLM has an extension point for method-specific options.
+# Patch 5 — a "dsbd" speculative config builds a DSBD engine.
+#   target:  vllm.engine.arg_utils.EngineArgs.create_engine_config
+#   why:     SpeculativeConfig forbids unknown keys, but users put DSBD knobs
+#            (`beam_width`, `width_threshold`, ...) next to "method": "dsbd";
+#            and a DSBD engine needs the project's scheduler and worker, which
+#            users must never have to name (--scheduler-cls / --worker-cls).
+#   how:     before the original runs: merge --spec-method/--spec-model/
+#            --spec-tokens into the speculative config as vLLM does, pop and
+#            validate the DSBD knobs into a DSBDConfig (clear errors), store it
+#            in additional_config["dsbd"] (it travels pickled to every
+#            process), set scheduler_cls / worker_cls, turn async scheduling
+#            off. num_speculative_tokens = 0 needs no draft: no vLLM
+#            speculative config is built. After it: the draft's vocabulary
+#            must be the target's.
+#   remove-when: vLLM has an extension point for method-specific options and
+#            plugin-provided engine classes.
 # ---------------------------------------------------------------------------
-def _dsbd_knobs_in_speculative_config() -> None:
+def _dsbd_engine_config() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    original = _original(EngineArgs, "create_speculative_config")
+    original = _original(EngineArgs, "create_engine_config")
 
-    def create_speculative_config(self, target_model_config, target_parallel_config):
-        raw = dict(self.speculative_config or {})
-        if (self.spec_method or raw.get("method")) != METHOD:
-            return original(self, target_model_config, target_parallel_config)
-        from vllm.config.speculative import SpeculativeConfig
-
-        unknown = sorted(set(raw) - set(SpeculativeConfig.__dataclass_fields__) - set(DSBDConfig.knob_names()))
-        if unknown:
-            raise ValueError(
-                f"Unknown key(s) {unknown} in --speculative-config for method 'dsbd'; "
-                f"DSBD knobs: {', '.join(DSBDConfig.knob_names())} (plus vLLM's "
-                f"SpeculativeConfig fields such as 'model')."
-            )
-        # num_speculative_tokens is both a vLLM field and a DSBD knob: read, keep.
-        knobs = {k: raw.pop(k) for k in list(raw) if k in DSBDConfig.knob_names() and k in _DSBD_ONLY}
-        spec_tokens = self.spec_tokens if self.spec_tokens is not None else raw.get("num_speculative_tokens")
-        if spec_tokens is not None:
-            knobs["num_speculative_tokens"] = spec_tokens
-        dsbd = DSBDConfig.from_mapping(knobs, where="--speculative-config")
-        if not (raw.get("model") or self.spec_model):
-            raise ValueError(
-                "Speculative method 'dsbd' needs a draft model: set 'model' in "
-                "--speculative-config (or --spec-model) to a checkpoint with the target's vocabulary."
-            )
-        if dsbd.num_speculative_tokens == 0:
+    def create_engine_config(self, *args, **kwargs):
+        dsbd = _take_dsbd_config(self)
+        if dsbd is None:
+            return original(self, *args, **kwargs)
+        _install_dsbd_engine(self, dsbd)
+        config = original(self, *args, **kwargs)
+        if config.speculative_config is not None:
+            check_same_vocabulary(config.speculative_config)
             raise DSBDEngineNotImplementedError(
-                "DSBD knob 'num_speculative_tokens'=0 (in-engine beam decoding without a draft) "
-                "is not implemented yet; allowed today: an integer >= 1."
+                f"The speculative config is valid ({dsbd}), but DSBD speculation (draft forests "
+                f"verified by the target) is not implemented in vllm-dsbd yet. In-engine beam "
+                f"decoding without a draft works today: set \"num_speculative_tokens\": 0 and drop "
+                f"\"model\"."
             )
-        if spec_tokens is None:
-            raw["num_speculative_tokens"] = dsbd.num_speculative_tokens
-        self.speculative_config = raw
-        config = original(self, target_model_config, target_parallel_config)
-        check_same_vocabulary(config)
-        config.dsbd = dsbd
         return config
 
-    EngineArgs.create_speculative_config = _wrapped(original, create_speculative_config)
+    EngineArgs.create_engine_config = _wrapped(original, create_engine_config)
 
 
 _DSBD_ONLY = frozenset(DSBDConfig.knob_names()) - {"num_speculative_tokens"}
+_DEFAULT_GAMMA = DSBDConfig().num_speculative_tokens
+
+
+def _take_dsbd_config(args: Any) -> DSBDConfig | None:
+    """The DSBDConfig of EngineArgs whose method is "dsbd" (None otherwise); leaves vLLM's part in place."""
+    raw = {k.replace("-", "_"): v for k, v in dict(args.speculative_config or {}).items()}
+    if (args.spec_method or raw.get("method")) != METHOD:
+        return None
+    from vllm.config.speculative import SpeculativeConfig
+
+    for flag, key, value in (("--spec-method", "method", args.spec_method),
+                             ("--spec-model", "model", args.spec_model),
+                             ("--spec-tokens", "num_speculative_tokens", args.spec_tokens)):
+        if value is None:
+            continue
+        if key in raw:
+            raise ValueError(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
+        raw[key] = value
+    args.spec_method = args.spec_model = args.spec_tokens = None
+    unknown = sorted(set(raw) - set(SpeculativeConfig.__dataclass_fields__) - set(DSBDConfig.knob_names()))
+    if unknown:
+        raise ValueError(
+            f"Unknown key(s) {unknown} in --speculative-config for method 'dsbd'; "
+            f"DSBD knobs: {', '.join(DSBDConfig.knob_names())} (plus vLLM's "
+            f"SpeculativeConfig fields such as 'model')."
+        )
+    knobs = {k: raw.pop(k) for k in list(raw) if k in _DSBD_ONLY}
+    knobs["num_speculative_tokens"] = raw.setdefault("num_speculative_tokens", _DEFAULT_GAMMA)
+    dsbd = DSBDConfig.from_mapping(knobs, where="--speculative-config")
+    if dsbd.num_speculative_tokens == 0:
+        if raw.get("model"):
+            raise ValueError(
+                "DSBD knob 'num_speculative_tokens'=0 decodes beams without a draft, but a draft "
+                f"'model' ({raw['model']}) is set; remove it, or set num_speculative_tokens >= 1 to "
+                "speculate with it."
+            )
+        leftover = sorted(set(raw) - {"method", "num_speculative_tokens"})
+        if leftover:
+            raise ValueError(f"--speculative-config key(s) {leftover} need a draft model, and "
+                             f"'num_speculative_tokens'=0 uses none; remove them.")
+        args.speculative_config = None
+    else:
+        if not raw.get("model"):
+            raise ValueError(
+                "Speculative method 'dsbd' with num_speculative_tokens >= 1 needs a draft model: set "
+                "'model' in --speculative-config (or --spec-model) to a checkpoint with the target's "
+                "vocabulary, or set num_speculative_tokens to 0 for in-engine beam decoding without a draft."
+            )
+        args.speculative_config = raw
+    return dsbd
+
+
+ENGINE_CLASSES = {
+    "scheduler_cls": "vllm_dsbd.engine.scheduler.DSBDScheduler",
+    "cpu_worker_cls": "vllm_dsbd.engine.worker.DSBDCPUWorker",
+    "gpu_worker_cls": "vllm_dsbd.engine.worker.DSBDGPUWorker",
+}
+
+
+def _install_dsbd_engine(args: Any, dsbd: DSBDConfig) -> None:
+    import os
+
+    from vllm.platforms import current_platform
+
+    if args.scheduler_cls not in (None, ENGINE_CLASSES["scheduler_cls"]):
+        raise ValueError(f"A DSBD engine installs its own scheduler; remove --scheduler-cls "
+                         f"({args.scheduler_cls}).")
+    worker = ENGINE_CLASSES["cpu_worker_cls" if current_platform.is_cpu() else "gpu_worker_cls"]
+    if args.worker_cls not in ("auto", worker):
+        raise ValueError(f"A DSBD engine installs its own worker; remove --worker-cls ({args.worker_cls}).")
+    if args.async_scheduling:
+        raise ValueError("A DSBD engine schedules synchronously; remove --async-scheduling.")
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", "false", "False"):
+        raise ValueError("A DSBD engine needs vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER.")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # inherited by the engine's processes
+    args.scheduler_cls = ENGINE_CLASSES["scheduler_cls"]
+    args.worker_cls = worker
+    args.async_scheduling = False
+    args.additional_config = {**(args.additional_config or {}), ADDITIONAL_CONFIG_KEY: dsbd.to_dict()}
 
 
 def check_same_vocabulary(config: Any) -> None:
@@ -252,35 +369,100 @@ def check_same_vocabulary(config: Any) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Patch 6 — refuse to start a "dsbd" engine until the DSBD engine exists.
-#   target:  vllm.engine.arg_utils.EngineArgs.create_engine_config
-#   why:     the config is accepted and validated (patches 1-5), but the
-#            scheduler and model runner that run DSBD are not written yet;
-#            running "dsbd" as plain draft_model decoding would silently give
-#            the user something else.
-#   how:     build the config (so every validation error surfaces), then
-#            raise NotImplementedError.
-#   remove-when: the DSBD scheduler/worker land; this patch then installs
-#            them as scheduler_cls/worker_cls instead.
+# Patch 6 — beam requests are validated and tagged before they are queued.
+#   target:  vllm.v1.engine.input_processor.InputProcessor.process_inputs
+#   why:     a bad beam request must fail with a clear error for that
+#            request only (ValueError -> HTTP 400), not inside the engine; and
+#            the scheduler must learn a group's size n (vLLM fans n > 1 out
+#            into n engine requests) and the tokenizer's EOS id.
+#   how:     on a DSBD engine, validate the user's SamplingParams of a beam
+#            request (engine.requests.validate), run the original, then add
+#            the private extra_args key engine.requests.GROUP_TAG to the
+#            request's (cloned) params.
+#   remove-when: vLLM grows beam groups of its own.
 # ---------------------------------------------------------------------------
-def _refuse_dsbd_engine() -> None:
-    from vllm.engine.arg_utils import EngineArgs
+def _validate_beam_requests() -> None:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
 
-    original = _original(EngineArgs, "create_engine_config")
+    from vllm_dsbd.engine import requests as beam_requests
 
-    def create_engine_config(self, *args, **kwargs):
-        config = original(self, *args, **kwargs)
-        spec = config.speculative_config
-        if spec is not None and spec.method == METHOD:
-            raise DSBDEngineNotImplementedError(
-                f"The speculative config is valid ({spec.dsbd}), but the DSBD engine "
-                f"(in-engine beam groups and forest verification) is not implemented "
-                f"in vllm-dsbd yet. Use vLLM's LLM.beam_search or method='draft_model' "
-                f"for now."
-            )
-        return config
+    original = _original(InputProcessor, "process_inputs")
 
-    EngineArgs.create_engine_config = _wrapped(original, create_engine_config)
+    def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+        engine = DSBDConfig.from_vllm_config(self.vllm_config)
+        beam = isinstance(params, SamplingParams) and beam_requests.is_beam_request(params)
+        if beam and engine is None:
+            if params.n > 1 and params.temperature < 1e-5:
+                _original(SamplingParams, "_verify_greedy_sampling")(params)  # vLLM's own error
+            beam = False  # DSBD knobs mean nothing to other engines, as before the plugin
+        if beam:
+            config = beam_requests.validate(params, engine)
+            max_seqs = self.vllm_config.scheduler_config.max_num_seqs
+            if config.beam_width > max_seqs:
+                raise beam_requests.BeamRequestError(f"DSBD knob 'beam_width'={config.beam_width} is larger than the engine's "
+                                 f"max_num_seqs={max_seqs} (every beam is a sequence); allowed: <= {max_seqs}.")
+        request = original(self, request_id, prompt, params, *args, **kwargs)
+        if beam:
+            sp = request.sampling_params
+            if sp.stop_token_ids:
+                raise beam_requests.BeamRequestError(
+                    f"Beam decoding (vllm-dsbd) supports one EOS token; this model's generation config "
+                    f"adds stop tokens {sp.stop_token_ids}."
+                )
+            tag = {"n": sp.n, "eos": self.renderer.get_eos_token_id()}
+            sp.extra_args = {**(sp.extra_args or {}), beam_requests.GROUP_TAG: tag}
+        return request
+
+    InputProcessor.process_inputs = _wrapped(original, process_inputs)
+
+
+# ---------------------------------------------------------------------------
+# Patch 7 — temperature-0 beam requests may ask for n > 1 outputs.
+#   target:  vllm.sampling_params.SamplingParams._verify_greedy_sampling
+#   why:     vLLM refuses n > 1 at temperature 0 (n identical greedy copies);
+#            for beam search n is the number of best hypotheses returned.
+#   how:     skip the check for params that name a DSBD knob in extra_args;
+#            patch 6 restores vLLM's error on engines that are not DSBD.
+#   remove-when: vLLM's SamplingParams knows beam decoding.
+# ---------------------------------------------------------------------------
+def _greedy_beam_requests() -> None:
+    from vllm.sampling_params import SamplingParams
+
+    from vllm_dsbd.engine import requests as beam_requests
+
+    original = _original(SamplingParams, "_verify_greedy_sampling")
+
+    def _verify_greedy_sampling(self) -> None:
+        if beam_requests.is_beam_request(self):
+            return None
+        return original(self)
+
+    SamplingParams._verify_greedy_sampling = _wrapped(original, _verify_greedy_sampling)
+
+
+# ---------------------------------------------------------------------------
+# Patch 8 — LLM.beam_search runs inside a DSBD engine.
+#   target:  vllm.entrypoints.generate.beam_search.offline.BeamSearchOfflineMixin.beam_search
+#   why:     vLLM's beam search is a front-end loop that submits every beam as
+#            a new request every step; a DSBD engine decodes beam groups itself.
+#   how:     on a DSBD engine, submit one beam request per prompt
+#            (vllm_dsbd.entrypoints.beam_search); other engines run the original.
+#   remove-when: vLLM's beam search goes through the engine.
+# ---------------------------------------------------------------------------
+def _beam_search_through_engine() -> None:
+    from vllm.entrypoints.generate.beam_search.offline import BeamSearchOfflineMixin
+
+    from vllm_dsbd.entrypoints import beam_search as dsbd_beam_search
+
+    original = _original(BeamSearchOfflineMixin, "beam_search")
+
+    def beam_search(self, prompts, params, lora_request=None, use_tqdm=False, concurrency_limit=None):
+        if DSBDConfig.from_vllm_config(self.llm_engine.vllm_config) is None:
+            return original(self, prompts, params, lora_request, use_tqdm, concurrency_limit)
+        return dsbd_beam_search.offline_beam_search(self, prompts, params, lora_request, use_tqdm)
+
+    BeamSearchOfflineMixin.beam_search = _wrapped(original, beam_search)
 
 
 PATCHES = (
@@ -288,8 +470,10 @@ PATCHES = (
     _post_init_as_draft_model,
     _uses_draft_model,
     _speculative_method_flag,
-    _dsbd_knobs_in_speculative_config,
-    _refuse_dsbd_engine,
+    _dsbd_engine_config,
+    _validate_beam_requests,
+    _greedy_beam_requests,
+    _beam_search_through_engine,
 )
 
 

@@ -1,0 +1,131 @@
+"""Which requests a DSBD engine beam-decodes, and their validated parameters.
+
+A request is a *beam request* when its ``SamplingParams.extra_args`` (the
+OpenAI API's ``vllm_xargs``) name at least one DSBD knob, e.g.
+``{"beam_width": 4}``; the knobs it does not name take the engine's values.
+Everything else is a plain request, decoded by vLLM as usual.
+
+The front-end validates a beam request before it is queued
+(:func:`validate`: a clear ``ValueError`` naming the parameter, the value
+and what is allowed) and tags it with :data:`GROUP_TAG`: how many outputs
+(``n``) the group has and the tokenizer's EOS id. vLLM's front-end fans a
+request with ``n > 1`` out into ``n`` engine requests ``"{k}_{id}"``; the
+scheduler gathers them into one beam group and gives hypothesis ``k`` (best
+first) to request ``k``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vllm.exceptions import VLLMValidationError
+
+from vllm_dsbd.config import PRIVATE_PREFIX, VLLM_RESERVED_EXTRA_ARGS, DSBDConfig
+from vllm_dsbd.engine.beam_group import BeamParams
+
+#: Private ``extra_args`` key added by the front-end: ``{"n": n, "eos": eos_token_id}``.
+GROUP_TAG = f"{PRIVATE_PREFIX}_group"
+
+# SamplingParams fields beam decoding does not implement, with the value that means "unused".
+_UNSUPPORTED: tuple[tuple[str, Any], ...] = (
+    ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0),
+    ("repetition_penalty", 1.0),
+    ("min_p", 0.0),
+    ("min_tokens", 0),
+    ("stop", []),
+    ("stop_token_ids", []),
+    ("bad_words", []),
+    ("logit_bias", None),
+    ("allowed_token_ids", None),
+    ("structured_outputs", None),
+    ("prompt_logprobs", None),
+    ("prompt_logprob_token_ids", None),
+    ("logprob_token_ids", None),
+    ("thinking_token_budget", None),
+    ("repetition_detection", None),
+)
+
+
+class BeamRequestError(VLLMValidationError, ValueError):
+    """A beam request vllm-dsbd cannot serve: the client's fault (HTTP 400), a ValueError offline."""
+
+
+def requested_knobs(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The DSBD knobs a request names (other keys are vLLM's or private)."""
+    names = DSBDConfig.knob_names()
+    return {k: v for k, v in (extra_args or {}).items() if k in names}
+
+
+def is_beam_request(params: Any) -> bool:
+    extra = getattr(params, "extra_args", None) or {}
+    return GROUP_TAG in extra or bool(requested_knobs(extra))
+
+
+def _unknown_keys(extra_args: Mapping[str, Any]) -> list[str]:
+    names = set(DSBDConfig.knob_names())
+    return sorted(k for k in extra_args
+                  if k not in names and k not in VLLM_RESERVED_EXTRA_ARGS and not k.startswith(PRIVATE_PREFIX))
+
+
+def validate(params: Any, engine: DSBDConfig) -> DSBDConfig:
+    """Check a beam request's user-given SamplingParams; return its DSBD config.
+
+    Raises :class:`BeamRequestError` naming the parameter, its value and what is allowed.
+    """
+    extra = params.extra_args or {}
+    unknown = _unknown_keys(extra)
+    if unknown:
+        raise BeamRequestError(
+            f"Unknown key(s) {unknown} in extra_args (vllm_xargs) of a beam request; "
+            f"DSBD knobs: {', '.join(DSBDConfig.knob_names())}.", parameter="extra_args", value=unknown)
+    try:
+        config = engine.for_request(extra)
+    except ValueError as e:
+        raise BeamRequestError(str(e), parameter="extra_args") from None
+    for name, unused in _UNSUPPORTED:
+        value = getattr(params, name, unused)
+        if value != unused and not (unused == [] and value is None):
+            raise BeamRequestError(
+                f"Beam decoding (vllm-dsbd) does not support SamplingParams.{name}={value!r}; "
+                f"allowed: {unused!r} (leave it unset).", parameter=name)
+    if params.n > config.beam_width:
+        raise BeamRequestError(
+            f"SamplingParams.n={params.n} is larger than DSBD knob 'beam_width'={config.beam_width}; "
+            f"allowed: 1 <= n <= beam_width (n is the number of best hypotheses returned).", parameter="n")
+    return config
+
+
+def group_of(request_id: str, extra_args: Mapping[str, Any]) -> tuple[str, int, int]:
+    """(group id, output index k, n) of an engine request: vLLM names fanned-out children ``"{k}_{id}"``."""
+    n = int(extra_args.get(GROUP_TAG, {}).get("n", 1))
+    if n == 1:
+        return request_id, 0, 1
+    index, _, parent = request_id.partition("_")
+    if not index.isdigit() or not parent:
+        raise ValueError(f"beam request {request_id!r} with n={n} does not look like a fanned-out child")
+    return parent, int(index), n
+
+
+def beam_params(params: Any, engine: DSBDConfig, *, prompt_len: int, max_model_len: int,
+                default_seed: int) -> tuple[DSBDConfig, BeamParams]:
+    """The decoding parameters of a (validated, tagged) beam request, engine side."""
+    extra = params.extra_args or {}
+    config = engine.for_request(extra)
+    tag = extra.get(GROUP_TAG, {})
+    eos = tag.get("eos", params.eos_token_id)
+    num_logprobs = -1 if params.logprobs is None else int(params.logprobs)
+    return config, BeamParams(
+        beam_width=config.beam_width,
+        n=int(tag.get("n", params.n)),
+        temperature=float(params.temperature),
+        top_k=int(params.top_k) if params.top_k and params.top_k > 0 else 0,
+        top_p=float(params.top_p),
+        length_penalty=float(config.length_penalty),
+        max_tokens=max(1, min(int(params.max_tokens), max_model_len - prompt_len)),
+        ignore_eos=bool(params.ignore_eos),
+        eos_token_id=eos,
+        num_logprobs=num_logprobs,
+        seed=int(params.seed) if params.seed is not None else default_seed,
+    )

@@ -1,0 +1,1 @@
+"""User-facing entry points that vllm-dsbd routes through a DSBD engine."""
