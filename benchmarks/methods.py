@@ -274,12 +274,16 @@ def _hf_beam_sampling(model, s: Settings) -> GenerateFn:
 
 
 # ---------------------------------------------------------------------------
-# vllm-dsbd slots: the documented user API (shared/design/ARCHITECTURE.md,
-# "What users do"). Until the DSBD engine lands, starting the engine raises
-# the plugin's NotImplementedError and these methods are reported as skipped
-# with its message.
+# vllm-dsbd: the documented user API (shared/design/ARCHITECTURE.md, "What
+# users do"). In-engine beam decoding runs on a DSBD engine without a draft
+# (num_speculative_tokens 0). The speculative DSBD methods need a draft and a
+# DSBD engine with speculation: while that engine refuses to start
+# (NotImplementedError) they are reported as skipped with its message.
 # ---------------------------------------------------------------------------
 
+BACKENDS["vllm-dsbd-beams"] = lambda s: _vllm_engine(
+    s, speculative_config={"method": "dsbd", "num_speculative_tokens": 0, "beam_width": s.beam_width},
+)
 BACKENDS["vllm-dsbd"] = lambda s: _vllm_engine(
     s,
     speculative_config={
@@ -292,10 +296,10 @@ BACKENDS["vllm-dsbd"] = lambda s: _vllm_engine(
 
 
 def _dsbd(sample: bool, **knobs) -> Callable[[Any, Settings], GenerateFn]:
-    """A DSBD request: ``n`` = W sequences, T = 0 (search) or T (sampling), knobs in ``extra_args``."""
+    """A beam request: ``n`` = W sequences, T = 0 (search) or T (sampling), knobs in ``extra_args``."""
 
     def make(llm, s: Settings) -> GenerateFn:
-        extra = {"beam_width": s.beam_width, "width_threshold": s.width_threshold, **knobs}
+        extra = {"beam_width": s.beam_width, **knobs}
         temperature = s.temperature if sample else 0.0
         return lambda prompts, max_tokens: _vllm_generate(
             llm,
@@ -306,13 +310,20 @@ def _dsbd(sample: bool, **knobs) -> Callable[[Any, Settings], GenerateFn]:
     return make
 
 
+def _dsbd_speculative(**knobs) -> Callable[[Any, Settings], GenerateFn]:
+    def make(llm, s: Settings) -> GenerateFn:
+        return _dsbd(True, width_threshold=s.width_threshold, **knobs)(llm, s)
+
+    return make
+
+
+method("dsbd-engine-beam-search", backend="vllm-dsbd-beams",
+       description="vllm-dsbd in-engine beam search (γ=0, T=0)")(_dsbd(False))
+method("dsbd-engine-beam-sampling", backend="vllm-dsbd-beams",
+       description="vllm-dsbd in-engine beam sampling (γ=0, T)")(_dsbd(True))
 for _name, _description, _make in (
-    ("dsbd-engine-beam-search", "vllm-dsbd in-engine beam search (γ=0, T=0)",
-     _dsbd(False, num_speculative_tokens=0, fixed_width=True)),
-    ("dsbd-engine-beam-sampling", "vllm-dsbd in-engine beam sampling (γ=0, T)",
-     _dsbd(True, num_speculative_tokens=0, fixed_width=True)),
-    ("dsbd-fixed", "DSBD, fixed width W (T)", _dsbd(True, fixed_width=True)),
-    ("dsbd-dynamic", "DSBD, dynamic width (τ, T)", _dsbd(True)),
-    ("dsbd-memory-efficient", "DSBD, dynamic width, one beam carried (T)", _dsbd(True, memory_efficient=True)),
+    ("dsbd-fixed", "DSBD, fixed width W (T)", _dsbd_speculative(fixed_width=True)),
+    ("dsbd-dynamic", "DSBD, dynamic width (τ, T)", _dsbd_speculative()),
+    ("dsbd-memory-efficient", "DSBD, dynamic width, one beam carried (T)", _dsbd_speculative(memory_efficient=True)),
 ):  # fmt: skip
     method(_name, backend="vllm-dsbd", description=_description, needs_draft=True)(_make)

@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # every argument belongs to vLLM's server
+        from vllm_dsbd import serve
+
+        return serve.main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -202,3 +202,30 @@ def test_beam_search_equals_vllm_builtin_on_smollm2(dsbd_target_llm, target_llm,
         assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
         assert [s.cum_logprob for s in g.sequences] == pytest.approx([s.cum_logprob for s in w.sequences], abs=1e-3)
     assert not math.isnan(got[0].sequences[0].cum_logprob)
+
+
+def test_beam_groups_survive_kv_pressure_with_preemption(dsbd_tiny_llm, tiny_eos_target):
+    """A DSBD engine with room for ~48 KV blocks, beam groups mixed with plain requests: vLLM preempts
+    (beams included), groups are preempted whole and recomputed, and every output equals the output
+    of the same request on a roomy engine."""
+    from vllm import LLM, SamplingParams
+
+    from conftest import dsbd_engine_kwargs
+
+    tight = LLM(**{**dsbd_engine_kwargs(str(tiny_eos_target)), "max_model_len": 512,
+                   "kv_cache_memory_bytes": 48 * 32 * 512})  # 48 blocks of 32 tokens x 512 B
+    try:
+        jobs = []
+        for i in range(3):
+            for prompt in PROMPTS:
+                jobs.append((prompt, SamplingParams(n=2, temperature=0.0, max_tokens=60, ignore_eos=True,
+                                                    extra_args={"beam_width": 4})))
+            jobs += [(p, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)) for p in PROMPTS[:2]]
+        got = tight.generate([p for p, _ in jobs], [s for _, s in jobs], use_tqdm=False)
+        preemptions = _metric(tight, "vllm:num_preemptions")
+    finally:
+        tight.llm_engine.engine_core.shutdown()
+    want = dsbd_tiny_llm.generate([p for p, _ in jobs], [s for _, s in jobs], use_tqdm=False)
+    assert preemptions > 0, "the test did not put the KV cache under pressure"
+    for g, w in zip(got, want):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]

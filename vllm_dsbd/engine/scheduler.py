@@ -36,6 +36,7 @@ import copy
 import itertools
 import math
 import random
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -69,6 +70,7 @@ class DSBDScheduler(Scheduler):
         self._user_group: dict[str, str] = {}  # user request id -> group id
         self._beam_group: dict[str, str] = {}  # internal request id -> group id
         self._unsent: set[str] = set()  # internal requests the workers have not been told about
+        self._preempted_groups: set[str] = set()  # groups with a beam preempted since the last step
         self._beam_ids = itertools.count()
         # Seeds of unseeded groups: reproducible for a given engine seed and arrival order.
         self._seeds = random.Random(self.vllm_config.model_config.seed)
@@ -128,6 +130,7 @@ class DSBDScheduler(Scheduler):
     # ------------------------------------------------------------------
 
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
+        self._preempt_split_groups()
         self._admit_groups()
         # Keep request slots free for the forks of admitted groups (up to W beams each).
         reserved = sum(g.params.beam_width - len(g.beams) for g in self._admitted_groups())
@@ -141,6 +144,31 @@ class DSBDScheduler(Scheduler):
         if plan is not None:
             setattr(out, PLAN_ATTR, plan)
         return out
+
+    def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
+        super()._preempt_request(request, timestamp, drop_stale_output)
+        group_id = self._beam_group.get(request.request_id)
+        if group_id is not None:
+            self._preempted_groups.add(group_id)
+
+    def _preempt_split_groups(self) -> None:
+        """Preemption is group-atomic: a group one of whose beams vLLM preempted gives up all its KV.
+
+        vLLM preempts one request at a time (it needed blocks); the group's
+        other beams are preempted at the start of the next step and all come
+        back through the waiting queue (prefix-cache hits on their shared full
+        blocks). Otherwise groups each waiting for one preempted beam could
+        hold all the KV and never move again.
+        """
+        if not self._preempted_groups:
+            return
+        now = time.monotonic()
+        victims = [r for gid in self._preempted_groups if gid in self.groups
+                   for r in self.groups[gid].requests() if r.status == RequestStatus.RUNNING]
+        self.running = remove_all(self.running, set(victims))
+        for request in victims:
+            self._preempt_request(request, now)
+        self._preempted_groups.clear()
 
     def _admitted_groups(self) -> Iterable[BeamGroup]:
         pending = set(self._admission)

@@ -6,11 +6,17 @@ at every step. On a DSBD engine each prompt becomes one beam request instead
 "length_penalty": ...})``) and the engine returns its ``beam_width`` best
 hypotheses, which are repackaged as vLLM's ``BeamSearchOutput``.
 
-Same results at temperature 0 (vLLM's beam-search rule, token for token).
-Differences, by design: temperature > 0 runs beam *sampling* at that
-temperature (vLLM's loop ranks by raw log-probs whatever the temperature);
-each step's ``logprobs`` dict holds the chosen token only (vLLM's holds the
-2W candidates); ``cum_logprob`` sums the raw log-probs of the chosen tokens.
+The results are vLLM's beam-search results token for token. Like vLLM's
+loop, which ranks candidates by raw log-probs, the search ignores
+``temperature`` (the OpenAI server passes 1.0 when a request sets none);
+beam *sampling* is asked for with ``generate`` / the completions API and
+``extra_args={"beam_width": W}`` at a temperature > 0. One difference, by
+design: each step's ``logprobs`` dict holds the chosen token only (vLLM's
+holds the 2W candidates).
+
+Both entry points are reached through ``vllm_dsbd.engine.patches`` (patches 8
+and 9): ``LLM.beam_search`` offline, and the OpenAI server's
+``use_beam_search`` (completions and chat completions).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ def sampling_params_for(params: BeamSearchParams) -> SamplingParams:
         raise NotImplementedError("Beam search with structured outputs is not supported on a DSBD engine.")
     return SamplingParams(
         n=params.beam_width,
-        temperature=params.temperature,
+        temperature=0.0,  # search: candidates ranked by raw log-probs, as vLLM's loop does
         max_tokens=params.max_tokens,
         ignore_eos=params.ignore_eos,
         logprobs=0,
@@ -36,11 +42,38 @@ def sampling_params_for(params: BeamSearchParams) -> SamplingParams:
     )
 
 
+def vllm_builtin_beam_search(llm, prompts, params: BeamSearchParams, **kwargs) -> list[BeamSearchOutput]:
+    """vLLM's own front-end beam-search loop, even on a DSBD engine (its requests are plain ones there).
+
+    For side-by-side comparisons on one engine (demo, benchmarks).
+    """
+    from vllm.entrypoints.generate.beam_search.offline import BeamSearchOfflineMixin
+
+    from vllm_dsbd.engine.patches import _original
+
+    return _original(BeamSearchOfflineMixin, "beam_search")(llm, prompts, params, **kwargs)
+
+
 def offline_beam_search(llm, prompts, params: BeamSearchParams, lora_request=None,
                         use_tqdm: bool = False) -> list[BeamSearchOutput]:
     outputs = llm.generate(prompts, sampling_params_for(params), lora_request=lora_request, use_tqdm=use_tqdm)
     tokenizer = llm.get_tokenizer()
     return [to_beam_search_output(out, tokenizer, params) for out in outputs]
+
+
+async def online_beam_search(serving, prompt, request_id: str, params: BeamSearchParams, lora_request=None,
+                             trace_headers=None, session_id=None):
+    """The OpenAI server's beam search (``use_beam_search``): one beam request, one final output."""
+    from vllm.sampling_params import RequestOutputKind
+
+    sampling_params = sampling_params_for(params)
+    sampling_params.output_kind = RequestOutputKind.FINAL_ONLY
+    final = None
+    async for out in serving.engine_client.generate(prompt, sampling_params, request_id, lora_request=lora_request,
+                                                    trace_headers=trace_headers, session_id=session_id):
+        final = out
+    if final is not None:
+        yield final
 
 
 def to_beam_search_output(out, tokenizer, params: BeamSearchParams) -> BeamSearchOutput:

@@ -1,0 +1,118 @@
+"""`vllm-dsbd serve` (vLLM's OpenAI server) with a DSBD engine, over real HTTP with the openai client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytestmark = [pytest.mark.engine, pytest.mark.e2e]
+
+PROMPT = "Once upon a time"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_eos_target, tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = [sys.executable, "-m", "vllm_dsbd.cli", "serve", str(tiny_eos_target), "--served-model-name", "tiny",
+           "--speculative-method", "dsbd",
+           "--speculative-config", json.dumps({"num_speculative_tokens": 0, "beam_width": 8}),
+           "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0",
+           "--kv-cache-memory-bytes", str(256 << 20), "--block-size", "32",
+           "--host", "127.0.0.1", "--port", str(port)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"server did not start (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+
+
+def _offline(llm, **params):
+    from vllm import SamplingParams
+
+    (out,) = llm.generate([PROMPT], SamplingParams(**params), use_tqdm=False)
+    return [c.text for c in out.outputs]
+
+
+def test_completions_use_beam_search_is_in_engine_beam_search(client, dsbd_tiny_llm):
+    """use_beam_search with n: the engine's n best hypotheses, as the offline API returns them."""
+    r = client.completions.create(model="tiny", prompt=PROMPT, n=4, max_tokens=8, temperature=0.0,
+                                  extra_body={"use_beam_search": True})
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert texts == _offline(dsbd_tiny_llm, n=4, temperature=0.0, max_tokens=8, extra_args={"beam_width": 4})
+    assert len(set(texts)) == 4
+
+
+def test_use_beam_search_ignores_temperature_as_vllm_does(client):
+    """The server passes temperature 1.0 when none is set; beam search stays a search."""
+    a = client.completions.create(model="tiny", prompt=PROMPT, n=2, max_tokens=6, extra_body={"use_beam_search": True})
+    b = client.completions.create(model="tiny", prompt=PROMPT, n=2, max_tokens=6, temperature=0.0,
+                                  extra_body={"use_beam_search": True})
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+
+
+def test_chat_completions_use_beam_search(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], n=3,
+                                       max_tokens=6, extra_body={"use_beam_search": True})
+    assert len(r.choices) == 3 and all(c.message.content is not None for c in r.choices)
+
+
+def test_vllm_xargs_beam_sampling_matches_offline(client, dsbd_tiny_llm):
+    """Beam sampling with knobs in vllm_xargs: seeded, so equal to the same request offline."""
+    r = client.completions.create(model="tiny", prompt=PROMPT, n=2, max_tokens=8, temperature=0.8, seed=3,
+                                  extra_body={"vllm_xargs": {"beam_width": 4, "length_penalty": 0.5}})
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert texts == _offline(dsbd_tiny_llm, n=2, temperature=0.8, seed=3, max_tokens=8,
+                             extra_args={"beam_width": 4, "length_penalty": 0.5})
+
+
+def test_bad_knob_is_a_400_naming_it_and_the_server_keeps_serving(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match=r"beam_width'=0"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4,
+                                  extra_body={"vllm_xargs": {"beam_width": 0}})
+    with pytest.raises(openai.BadRequestError, match=r"above the engine's maximum 8"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=9,
+                                  extra_body={"use_beam_search": True})
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0.0)
+    assert r.choices[0].finish_reason in ("length", "stop")
