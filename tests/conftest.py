@@ -87,14 +87,11 @@ def _eos_prone_copy(base: Path, out_dir: Path, scale: float) -> Path:
     return models._build_atomically(out_dir, source, build)
 
 
-def dsbd_engine_kwargs(model: str, **speculative) -> dict:
-    """A DSBD engine without a draft (in-engine beam decoding), stats on for KV-usage checks."""
-    from vllm_dsbd.demo import engine_kwargs
+def dsbd_engine_kwargs(model: str, **overrides) -> dict:
+    """A DSBD engine without a draft (in-engine beam decoding, W <= 8), stats on for KV-usage checks."""
+    from vllm_dsbd.demo import beam_engine_kwargs
 
-    kwargs = engine_kwargs(model)
-    kwargs["speculative_config"] = {"method": "dsbd", "num_speculative_tokens": 0, "beam_width": 8, **speculative}
-    kwargs["disable_log_stats"] = False
-    return kwargs
+    return {**beam_engine_kwargs(model, 8), "disable_log_stats": False, **overrides}
 
 
 @pytest.fixture(scope="session")

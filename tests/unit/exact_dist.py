@@ -125,7 +125,8 @@ def exact_sequences(model, prompt: Seq, length: int, temperature: float = 1.0) -
 
 def chi2_statistic(samples: Iterable[Hashable], expected: dict[Hashable, float],
                    min_expected: float = 5.0) -> tuple[float, int]:
-    """Pearson statistic and degrees of freedom; cells under ``min_expected`` pooled (smallest first).
+    """Pearson statistic and degrees of freedom; every cell expected under ``min_expected`` times is
+    pooled into one cell (with the smallest regular cell too if the pool stays under it).
 
     An observed outcome with expected probability 0 gives an infinite statistic.
     """
@@ -134,18 +135,16 @@ def chi2_statistic(samples: Iterable[Hashable], expected: dict[Hashable, float],
     if any(expected.get(o, 0.0) <= 0 for o in counts):
         return math.inf, 1
     cells = sorted((p * n, counts.get(o, 0)) for o, p in expected.items() if p > 0)
-    pooled_e = pooled_o = 0.0
-    stat, num_cells = 0.0, 0
-    for e, o in cells:
-        if pooled_e < min_expected:
-            pooled_e, pooled_o = pooled_e + e, pooled_o + o
-            continue
-        stat += (o - e) ** 2 / e
-        num_cells += 1
+    small = [c for c in cells if c[0] < min_expected]
+    cells = cells[len(small):]
+    pooled_e, pooled_o = sum(e for e, _ in small), sum(o for _, o in small)
+    if 0 < pooled_e < min_expected and cells:
+        e, o = cells.pop(0)
+        pooled_e, pooled_o = pooled_e + e, pooled_o + o
     if pooled_e > 0:
-        stat += (pooled_o - pooled_e) ** 2 / pooled_e
-        num_cells += 1
-    return stat, max(num_cells - 1, 1)
+        cells.append((pooled_e, pooled_o))
+    stat = sum((o - e) ** 2 / e for e, o in cells)
+    return stat, max(len(cells) - 1, 1)
 
 
 def chi2_pvalue(samples: Iterable[Hashable], expected: dict[Hashable, float]) -> float:

@@ -118,7 +118,10 @@ def upstream_function(qualname: str) -> Any:
     import importlib
 
     module, owner, name = qualname.rsplit(".", 2)
-    return _original(getattr(importlib.import_module(module), owner), name)
+    try:  # a module-level function: "package.module.function"
+        return getattr(importlib.import_module(f"{module}.{owner}"), name)
+    except ModuleNotFoundError:  # a method: "package.module.Class.method"
+        return _original(getattr(importlib.import_module(module), owner), name)
 
 
 def _wrapped(original: Any, wrapper: Any) -> Any:
