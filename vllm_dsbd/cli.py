@@ -15,7 +15,7 @@ def _cmd_models_prepare(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"target: {pair.target}")
-    print(f"draft:  {pair.draft if pair.draft else 'none yet (no default draft ships so far)'}")
+    print(f"draft:  {pair.draft if pair.draft else 'none'}")
     return 0
 
 
@@ -30,6 +30,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from vllm_dsbd.demo import run_demo
 
     return run_demo(args)
+
+
+def _cmd_distill_draft(args: argparse.Namespace) -> int:
+    from vllm_dsbd.draft import distill
+
+    return distill.run(args)
+
+
+def _cmd_eval_draft(args: argparse.Namespace) -> int:
+    from vllm_dsbd.draft import evaluate
+
+    return evaluate.run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--beam-width", type=int, default=4)
     d.add_argument("--max-tokens", type=int, default=32)
     d.set_defaults(func=_cmd_demo)
+
+    from vllm_dsbd.draft import distill, evaluate
+
+    dd = sub.add_parser("distill-draft", help="train a draft model for a target by distillation")
+    distill.add_arguments(dd)
+    dd.set_defaults(func=_cmd_distill_draft)
+
+    ed = sub.add_parser("eval-draft", help="measure a draft against its target (writes eval.json)")
+    evaluate.add_arguments(ed)
+    ed.set_defaults(func=_cmd_eval_draft)
     return parser
 
 

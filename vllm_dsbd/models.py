@@ -44,7 +44,7 @@ class ModelUnavailableError(RuntimeError):
 @dataclass(frozen=True)
 class PreparedModels:
     target: Path
-    draft: Path | None  # None until a default draft ships (draft issue)
+    draft: Path | None  # prepare() always builds the default draft; None only for pairs without one
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -188,13 +188,23 @@ def default_target_path(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def default_draft_path(cache_dir: str | os.PathLike | None = None) -> Path | None:
-    """The default draft for the default target; None until one ships."""
-    return None
+    """The prepared default draft (distilled for the default target); None if not prepared yet.
+
+    ``prepare`` builds it from the weights shipped in ``vllm_dsbd/draft/default``
+    and the target's embedding (see ``vllm_dsbd.draft``).
+    """
+    from vllm_dsbd.draft import DRAFT_NAME
+
+    path = cache_root(cache_dir) / DRAFT_NAME
+    return path if is_complete(path) else None
 
 
 def prepare(cache_dir: str | os.PathLike | None = None) -> PreparedModels:
     """Prepare the default (target, draft) pair."""
-    return PreparedModels(target=prepare_target(cache_dir), draft=default_draft_path(cache_dir))
+    from vllm_dsbd.draft import prepare_default_draft
+
+    target = prepare_target(cache_dir)
+    return PreparedModels(target=target, draft=prepare_default_draft(target, cache_root(cache_dir)))
 
 
 # ---------------------------------------------------------------------------
