@@ -212,8 +212,8 @@ def test_beam_groups_survive_kv_pressure_with_preemption(dsbd_tiny_llm, tiny_eos
 
     from vllm_dsbd.demo import beam_engine_kwargs
 
-    tight = LLM(**beam_engine_kwargs(str(tiny_eos_target), 8), disable_log_stats=False, max_model_len=512,
-                kv_cache_memory_bytes=48 * 32 * 512)  # 48 blocks of 32 tokens x 512 B
+    tight = LLM(**{**beam_engine_kwargs(str(tiny_eos_target), 8), "disable_log_stats": False, "max_model_len": 512,
+                   "kv_cache_memory_bytes": 48 * 32 * 512})  # 48 blocks of 32 tokens x 512 B
     try:
         jobs = []
         for i in range(3):
