@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams
+from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams, Extend, Fork, Free
 from vllm_dsbd.engine.protocol import BeamChoice, GroupDecision, TokenLogprob
 
 EOS = 2
@@ -43,6 +43,19 @@ def three_beam_group(**kw) -> tuple[BeamGroup, list[Req]]:
     return group, reqs
 
 
+def describe(effects):
+    """The op list in a comparable form."""
+    out = []
+    for op in effects.ops:
+        if isinstance(op, Fork):
+            out.append(("fork", op.parent.request_id, op.token))
+        elif isinstance(op, Extend):
+            out.append(("extend", op.request.request_id, op.tokens))
+        elif isinstance(op, Free):
+            out.append(("free", op.request.request_id))
+    return out
+
+
 def test_root_step_continues_the_root_and_forks_the_rest():
     group, (a, b, c) = three_beam_group()
     assert [bm.tokens for bm in group.beams] == [[10], [11], [12]]
@@ -53,9 +66,10 @@ def test_root_step_continues_the_root_and_forks_the_rest():
 def test_worked_example_first_child_continues_extra_children_fork_childless_parents_free():
     group, (a, b, c) = three_beam_group()
     effects = group.apply(decision([(0, 5, -1.5), (2, 7, -3.5), (0, 9, -2.5)]))
-    assert effects.continues == [(a, 5), (c, 7)]
-    assert [(f.parent, f.child.tokens) for f in effects.forks] == [(a, [10, 9])]
-    assert effects.frees == [b]
+    # the fork copies a's tokens before a's own new token is appended
+    assert describe(effects) == [("fork", "root", 9), ("extend", "root", [5]), ("free", "fork1"),
+                                 ("extend", "fork2", [7])]
+    assert effects.forks[0].child.tokens == [10, 9]
     assert [bm.tokens for bm in group.beams] == [[10, 5], [12, 7], [10, 9]]
     assert [bm.score for bm in group.beams] == [-1.5, -3.5, -2.5]
     assert group.beams[2].request is None  # the scheduler creates the fork's request

@@ -9,7 +9,7 @@ import torch
 
 from vllm_dsbd.algorithm.reference import DecodeParams, beam_search
 from vllm_dsbd.algorithm.toy import MarkovLM, random_markov
-from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams
+from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams, Extend, Fork
 from vllm_dsbd.engine.beam_step import decide, row_tokens
 from vllm_dsbd.engine.protocol import BeamChoice, GroupDecision, GroupStep, TokenLogprob
 
@@ -62,14 +62,14 @@ def _decode_with_engine_steps(model, prompt, params: BeamParams, rows_per_call=N
         plan = group.plan()
         logits = model([seqs[r] for r in plan.req_ids])
         decision = decide(logits, {r: i for i, r in enumerate(plan.req_ids)}, [plan])["g"]
-        before = {b.request.request_id: list(seqs[b.request.request_id]) for b in group.beams}
         effects = group.apply(decision)
-        for fork in effects.forks:
-            rid = f"b{next(counter)}"
-            fork.child.request = _Req(rid)
-            seqs[rid] = before[fork.parent.request_id] + [fork.child.tokens[-1]]
-        for req, token in effects.continues:
-            seqs[req.request_id].append(token)
+        for op in effects.ops:
+            if isinstance(op, Fork):
+                rid = f"b{next(counter)}"
+                op.child.request = _Req(rid)
+                seqs[rid] = seqs[op.parent.request_id] + [op.token]
+            elif isinstance(op, Extend):
+                seqs[op.request.request_id] += op.tokens
     return group.results()
 
 

@@ -7,17 +7,24 @@ tokens. One beam step turns the live beams into new ones, each a child
 the scheduler must do with the internal requests:
 
 - the *first* child of a parent (in the new beam order) continues the parent's
-  request: one token is appended;
+  request: its token is appended;
 - every further child is a *fork*: a new request with the parent's tokens
   plus its own token, sharing the parent's KV blocks;
 - a parent without children is freed.
 
-Forks are listed before the continuations, and the scheduler must fork before
-it appends the continuing child's token (a fork copies the parent's tokens).
+The effects are an ordered list of operations for the scheduler: a fork
+copies the parent's tokens as they are when it is carried out, so it comes
+before the parent's own new token is appended.
 
 Worked example (W = 3): beams ``[a, b, c]``, new beams ``[(a, 5), (c, 7),
-(a, 9)]`` -> ``a`` continues with 5 (new beam 0), ``c`` continues with 7
-(new beam 1), fork of ``a`` with 9 (new beam 2), ``b`` is freed.
+(a, 9)]`` -> fork of ``a`` with 9 (new beam 2), ``a`` continues with 5 (new
+beam 0), ``c`` continues with 7 (new beam 1), ``b`` is freed.
+
+A DSBD iteration (``apply_verify``) commits several tokens at once: the new
+beams are children of draft nodes at depth ``k``; each is continued from the
+request of a root-to-leaf path through its parent node, which first takes
+the ``k`` accepted path tokens, then the forks of its other children, then
+its own new token.
 
 Finishing and ranking follow vLLM 0.32.0's built-in beam search: a hypothesis
 ending in EOS (unless ``ignore_eos``) finishes; the group ends after
@@ -32,7 +39,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_dsbd.engine.protocol import GroupDecision, GroupStep, TokenLogprob
+from vllm_dsbd.engine.protocol import (
+    DraftDecision,
+    DraftStep,
+    GroupDecision,
+    GroupStep,
+    TokenLogprob,
+    VerifyDecision,
+    VerifyStep,
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,10 @@ class BeamParams:
     eos_token_id: int | None  # the tokenizer's EOS (used for scoring even with ignore_eos, as vLLM does)
     num_logprobs: int  # -1: none requested; 0: the token's own; k: top-k too
     seed: int
+    num_speculative_tokens: int = 0  # γ: draft layers per iteration (0: one target step per token)
+    width_threshold: float = 1.0  # τ (>= 1: fixed width)
+    min_width: int = 1
+    memory_efficient: bool = False
 
     @property
     def finishing_token(self) -> int | None:
@@ -74,16 +93,56 @@ class Hypothesis:
 
 
 @dataclass
+class Extend:
+    request: Any
+    tokens: list[int]  # to append to the request
+    computed: bool = False  # the target has already computed these tokens (accepted drafts)
+
+
+@dataclass
+class PathRequest:
+    """Set up a root-to-leaf path for verification: ``root``'s tokens with ``spec_tokens`` to verify."""
+
+    root: Any
+    spec_tokens: list[int]
+    reuse_root: bool  # the root's request is the path's (else a fork of it, set by the scheduler)
+    request: Any = None
+
+
+@dataclass
+class DraftNode:
+    parent: int  # slot in the layer above
+    token: int
+    score: float  # path score: the beam's target score plus the draft log-probs below it
+    request: Any = None  # while the draft runs on this node
+
+
+@dataclass
+class Free:
+    request: Any
+
+
+@dataclass
 class Fork:
-    parent: Any  # request to fork from (before its continuing child's token is appended)
-    child: Beam  # child.request is set by the scheduler
+    parent: Any  # request to fork from, as it is now
+    token: int  # the child's own new token
+    child: Beam | DraftNode  # its `request` is set by the scheduler
+
+
+Op = Fork | Extend | Free | PathRequest
 
 
 @dataclass
 class StepEffects:
-    forks: list[Fork] = field(default_factory=list)
-    continues: list[tuple[Any, int]] = field(default_factory=list)  # (request, token to append)
-    frees: list[Any] = field(default_factory=list)
+    ops: list[Op] = field(default_factory=list)
+
+    @property
+    def forks(self) -> list[Fork]:
+        return [op for op in self.ops if isinstance(op, Fork)]
+
+    @property
+    def frees(self) -> list[Any]:
+        return [op.request for op in self.ops if isinstance(op, Free)]
 
 
 class BeamGroup:
@@ -97,6 +156,201 @@ class BeamGroup:
         self.finished: list[Hypothesis] = []
         self.num_generated = 0
         self.step = 0
+        # The DSBD iteration in progress (speculative groups only).
+        self.in_iteration = False  # False: the beams' KV is being (re)computed by the target first
+        self.num_draft_layers = 0  # γ of this iteration
+        self.layers: list[list[DraftNode]] = []
+        self.paths: list[tuple[int, ...]] = []  # node ids, root first
+        self.path_requests: list[PathRequest] = []
+
+    @property
+    def speculative(self) -> bool:
+        return self.params.num_speculative_tokens > 0
+
+    # ------------------------------------------------------------------
+    # DSBD iterations: draft layers 1..γ, then one verification
+    # ------------------------------------------------------------------
+
+    def start_iteration(self) -> StepEffects:
+        """Begin an iteration; γ is cut so that no draft reaches beyond max_tokens (verification adds a
+        token of its own). Without draft layers the paths (the beams alone) are set up at once."""
+        remaining = self.params.max_tokens - self.num_generated
+        self.num_draft_layers = max(0, min(self.params.num_speculative_tokens, remaining - 1))
+        self.layers, self.paths, self.path_requests = [], [], []
+        self.in_iteration = True
+        return StepEffects(self._set_up_paths() if self.num_draft_layers == 0 else [])
+
+    def extra_requests(self) -> list[Any]:
+        """Requests of the iteration in progress other than the beams' own: draft nodes, path forks."""
+        nodes = [n.request for layer in self.layers for n in layer if n.request is not None]
+        return nodes + [pr.request for pr in self.path_requests if not pr.reuse_root and pr.request is not None]
+
+    def reset_iteration(self) -> list[Any]:
+        """Abandon the iteration in progress (the beams' KV was lost); returns the requests to free."""
+        extra = self.extra_requests()
+        self.in_iteration = False
+        self.num_draft_layers, self.layers, self.paths, self.path_requests = 0, [], [], []
+        return extra
+
+    @property
+    def drafting(self) -> bool:
+        return len(self.layers) < self.num_draft_layers
+
+    def _finishes(self, token: int) -> bool:
+        return token == self.params.finishing_token
+
+    def draft_parents(self) -> list[tuple[int, Any, float]]:
+        """(slot, request, path score) of the nodes the next draft layer grows from."""
+        if not self.layers:
+            return [(slot, b.request, b.score) for slot, b in enumerate(self.beams)]
+        return [(slot, n.request, n.score) for slot, n in enumerate(self.layers[-1]) if n.request is not None]
+
+    def draft_plan(self) -> DraftStep:
+        p = self.params
+        parents = self.draft_parents()
+        return DraftStep(
+            group_id=self.group_id, layer=len(self.layers) + 1,
+            req_ids=tuple(r.request_id for _, r, _ in parents), slots=tuple(s for s, _, _ in parents),
+            scores=tuple(score for _, _, score in parents),
+            seq_len=self.prompt_len + self.num_generated + len(self.layers),
+            beam_width=p.beam_width, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+            length_penalty=p.length_penalty, ignore_eos=p.ignore_eos, eos_token_id=p.eos_token_id,
+            seed=p.seed, step=self.step,
+        )
+
+    def apply_draft(self, decision: DraftDecision) -> StepEffects:
+        """Commit a draft layer: its nodes that the draft will grow get requests (forks of their parents);
+        the previous layer's node requests are freed. After the last layer, the paths are set up."""
+        parents = self.draft_parents()
+        by_slot = {slot: request for slot, request, _ in parents}
+        layer = len(self.layers) + 1
+        effects = StepEffects()
+        nodes = []
+        for parent, token, score in zip(decision.parents, decision.tokens, decision.scores):
+            node = DraftNode(parent, token, score)
+            if layer < self.num_draft_layers and not self._finishes(token):
+                effects.ops.append(Fork(by_slot[parent], token, node))  # the draft grows this node next
+            nodes.append(node)
+        if self.layers:
+            effects.ops += [Free(r) for _, r, _ in parents]
+        self.layers.append(nodes)
+        if not self.drafting:
+            effects.ops += self._set_up_paths()
+        return effects
+
+    def _forest(self) -> tuple[list[list[int]], list[list[int]], list[list[bool]]]:
+        width = self.params.beam_width
+        parents = [[0] * width for _ in self.layers]
+        tokens = [[0] * width for _ in self.layers]
+        exists = [[False] * width for _ in self.layers]
+        for i, nodes in enumerate(self.layers):
+            for j, n in enumerate(nodes):
+                parents[i][j], tokens[i][j], exists[i][j] = n.parent, n.token, True
+        return parents, tokens, exists
+
+    def _set_up_paths(self) -> list[Op]:
+        """Root-to-leaf paths of the forest (``algorithm.forest`` order): one request each."""
+        from vllm_dsbd.algorithm.forest import build_forest, root_to_leaf_paths
+        import torch
+
+        width = self.params.beam_width
+        parents, tokens, exists = self._forest()
+        num_layers = len(self.layers)
+        forest = build_forest(
+            width,
+            torch.tensor(parents, dtype=torch.long).reshape(num_layers, width),
+            torch.tensor(tokens, dtype=torch.long).reshape(num_layers, width),
+            torch.tensor(exists, dtype=torch.bool).reshape(num_layers, width),
+            root_exists=torch.tensor([slot < len(self.beams) for slot in range(width)]),
+        )
+        paths = root_to_leaf_paths(forest)
+        flat, cu = paths.path_nodes.tolist(), paths.cu_num_positions.tolist()
+        self.paths = [tuple(flat[cu[k]:cu[k + 1]]) for k in range(paths.num_paths)]
+        node_tokens = forest.tokens.tolist()
+        used_roots: set[int] = set()
+        self.path_requests = []
+        for path in self.paths:
+            root = path[0]
+            request = PathRequest(self.beams[root].request, [node_tokens[n] for n in path[1:]],
+                                  reuse_root=root not in used_roots)
+            used_roots.add(root)
+            self.path_requests.append(request)
+        return list(self.path_requests)
+
+    def verify_plan(self) -> VerifyStep:
+        p = self.params
+        width = p.beam_width
+        parents, tokens, exists = self._forest()
+        num_roots = len(self.beams)
+        return VerifyStep(
+            group_id=self.group_id,
+            path_req_ids=tuple(pr.request.request_id for pr in self.path_requests),
+            paths=tuple(self.paths),
+            root_scores=tuple(b.score for b in self.beams) + (float("-inf"),) * (width - num_roots),
+            root_valid=(True,) * num_roots + (False,) * (width - num_roots),
+            draft_parents=tuple(map(tuple, parents)), draft_tokens=tuple(map(tuple, tokens)),
+            draft_exists=tuple(map(tuple, exists)),
+            seq_len=self.prompt_len + self.num_generated, beam_width=width,
+            num_out=1 if p.memory_efficient else width, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+            length_penalty=p.length_penalty, ignore_eos=p.ignore_eos, eos_token_id=p.eos_token_id,
+            width_threshold=1.0 if p.temperature == 0 else p.width_threshold, min_width=p.min_width,
+            num_logprobs=p.num_logprobs, seed=p.seed, step=self.step,
+        )
+
+    def node_path(self, node: int) -> tuple[int, list[int]]:
+        """(root slot, tokens from the root to ``node``) of a forest node id."""
+        width = self.params.beam_width
+        tokens = []
+        while node >= width:
+            layer, slot = divmod(node - width, width)
+            tokens.append(self.layers[layer][slot].token)
+            node = self.layers[layer][slot].parent if layer == 0 else width + (layer - 1) * width + \
+                self.layers[layer][slot].parent
+        return node, tokens[::-1]
+
+    def path_of_node(self, node: int) -> int:
+        """The first path through ``node``: its request carries the node's children."""
+        return next(k for k, path in enumerate(self.paths) if node in path)
+
+    def apply_verify(self, decision: VerifyDecision) -> StepEffects:
+        """Commit a verified iteration: new beams, finished hypotheses, and what happens to the path requests."""
+        if self.done:
+            raise RuntimeError(f"beam group {self.group_id} is finished; it takes no more steps")
+        for c in decision.finished:
+            root, tokens = self.node_path(c.parent)
+            beam = self.beams[root]
+            self.finished.append(self._hypothesis(beam.tokens + tokens + [c.token], c.score,
+                                                  beam.logprobs + list(c.logprobs), "stop"))
+        children: dict[int, list[int]] = {}
+        for k, c in enumerate(decision.beams):
+            children.setdefault(c.parent, []).append(k)
+        effects = StepEffects()
+        new_beams: list[Beam | None] = [None] * len(decision.beams)
+        kept: set[int] = set()
+        for parent, kids in children.items():
+            root, tokens = self.node_path(parent)
+            path = self.path_of_node(parent)
+            kept.add(path)
+            request = self.path_requests[path].request
+            base = self.beams[root]
+            if tokens:
+                effects.ops.append(Extend(request, list(tokens), computed=True))
+            for k in kids[1:]:
+                c = decision.beams[k]
+                child = Beam(None, base.tokens + tokens + [c.token], c.score, base.logprobs + list(c.logprobs))
+                effects.ops.append(Fork(request, c.token, child))
+                new_beams[k] = child
+            c = decision.beams[kids[0]]
+            effects.ops.append(Extend(request, [c.token]))
+            new_beams[kids[0]] = Beam(request, base.tokens + tokens + [c.token], c.score,
+                                      base.logprobs + list(c.logprobs))
+        effects.ops += [Free(pr.request) for k, pr in enumerate(self.path_requests) if k not in kept]
+        self.beams = new_beams  # type: ignore[assignment]
+        self.num_generated += decision.num_passed + 1
+        self.step += 1
+        self.num_draft_layers, self.layers, self.paths, self.path_requests = 0, [], [], []
+        self.in_iteration = False
+        return effects
 
     @property
     def done(self) -> bool:
@@ -144,18 +398,18 @@ class BeamGroup:
         for index, parent in enumerate(beams):
             kids = children.get(index)
             if not kids:
-                effects.frees.append(parent.request)
+                effects.ops.append(Free(parent.request))
                 continue
             for k in kids[1:]:
                 c = decision.beams[k]
                 child = Beam(None, parent.tokens + [c.token], c.score, parent.logprobs + [c.logprob])
-                effects.forks.append(Fork(parent.request, child))
+                effects.ops.append(Fork(parent.request, c.token, child))
                 new_beams[k] = child
             c = decision.beams[kids[0]]
             parent.tokens.append(c.token)
             parent.score = c.score
             parent.logprobs.append(c.logprob)
-            effects.continues.append((parent.request, c.token))
+            effects.ops.append(Extend(parent.request, [c.token]))
             new_beams[kids[0]] = parent
         self.beams = new_beams  # type: ignore[assignment]
         self.num_generated += 1

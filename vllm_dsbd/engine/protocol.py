@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 PLAN_ATTR = "dsbd_plan"
 RESULT_ATTR = "dsbd_result"
@@ -41,6 +41,64 @@ class GroupStep:
     step: int
 
 
+@dataclass(frozen=True)
+class DraftStep:
+    """Draft layer ``layer`` of one DSBD iteration: the draft model ran on every parent node in this step.
+
+    Parent nodes are the slots of layer ``layer - 1`` (layer 0: the live
+    beams) that can have children; slots are numbered ``0..W-1``.
+    """
+
+    group_id: str
+    layer: int  # i, 1-based
+    req_ids: tuple[str, ...]  # [P] requests of the parent nodes, slot order
+    slots: tuple[int, ...]  # [P] slot of each parent in its layer
+    scores: tuple[float, ...]  # [P] path scores: target S of the beam + draft log-probs below it
+    seq_len: int  # tokens per parent node now (prompt + generated + layer - 1)
+    beam_width: int
+    temperature: float
+    top_k: int
+    top_p: float
+    length_penalty: float
+    ignore_eos: bool
+    eos_token_id: int | None
+    seed: int
+    step: int  # the group's iteration
+
+
+@dataclass(frozen=True)
+class VerifyStep:
+    """The verification of one DSBD iteration: the target ran on every root-to-leaf path in this step.
+
+    Node ids follow ``algorithm.forest``: roots (the beams, padded to W
+    slots) are ``0..W-1``, draft node (layer i, slot j) is ``W + (i-1)*W + j``.
+    Path request k computed the target at every node of ``paths[k]``.
+    """
+
+    group_id: str
+    path_req_ids: tuple[str, ...]  # [num_paths]
+    paths: tuple[tuple[int, ...], ...]  # node ids of each path, root first
+    root_scores: tuple[float, ...]  # [W] S of the beams (-inf for empty slots)
+    root_valid: tuple[bool, ...]  # [W]
+    draft_parents: tuple[tuple[int, ...], ...]  # [layers][W] parent slot in the layer above
+    draft_tokens: tuple[tuple[int, ...], ...]  # [layers][W]
+    draft_exists: tuple[tuple[bool, ...], ...]  # [layers][W]
+    seq_len: int  # tokens per beam (prompt + generated)
+    beam_width: int
+    num_out: int  # W_out: 1 in memory-efficient mode
+    temperature: float
+    top_k: int
+    top_p: float
+    length_penalty: float
+    ignore_eos: bool
+    eos_token_id: int | None
+    width_threshold: float  # >= 1: fixed width
+    min_width: int
+    num_logprobs: int
+    seed: int
+    step: int
+
+
 @dataclass
 class StepPlan:
     groups: list[GroupStep]
@@ -48,6 +106,14 @@ class StepPlan:
     """Beams computed up to their last token whose group is not complete this
     step: the runner samples nothing for them and the scheduler recomputes
     their last token later."""
+    draft: bool = False
+    """A draft step: the runner runs the draft model (not the target) on every scheduled request."""
+    draft_steps: list[DraftStep] = field(default_factory=list)
+    verify_steps: list[VerifyStep] = field(default_factory=list)
+    forget_group_ids: list[str] = field(default_factory=list)
+    """Groups gone since the last step: the runner drops their stored draft distributions."""
+    started_group_ids: list[str] = field(default_factory=list)
+    """Scheduler bookkeeping (the runner ignores it): speculative groups whose beams' KV became complete."""
     version: int = PROTOCOL_VERSION
 
 
@@ -77,6 +143,37 @@ class GroupDecision:
 
 
 @dataclass
+class DraftDecision:
+    """The W draft nodes of a layer, in draw order (T = 0: best first, possibly fewer)."""
+
+    group_id: str
+    parents: list[int]  # slot of each node's parent in the layer above
+    tokens: list[int]
+    scores: list[float]  # path scores for the next layer's joint
+
+
+@dataclass(frozen=True)
+class VerifyChoice:
+    parent: int  # node id of the parent (in layer num_passed)
+    token: int
+    score: float  # cumulative target score S of the new beam
+    logprobs: tuple[TokenLogprob, ...]  # raw target log-probs of the parent's path tokens, then of `token`
+
+
+@dataclass
+class VerifyDecision:
+    group_id: str
+    num_passed: int  # draft layers passed; the new beams are children of layer num_passed
+    beams: list[VerifyChoice]  # the new live beams, in their new beam order
+    finished: list[VerifyChoice]  # new finished hypotheses (ending in EOS)
+    num_proposed: list[int]  # [layers] draft nodes per verified layer
+    num_accepted: list[int]  # [layers] accepted draft nodes per verified layer
+    widths: list[int]  # [layers] w_i of each verified layer (T > 0), else []
+
+
+@dataclass
 class StepResult:
     decisions: dict[str, GroupDecision]
+    draft_decisions: dict[str, DraftDecision] = field(default_factory=dict)
+    verify_decisions: dict[str, VerifyDecision] = field(default_factory=dict)
     version: int = PROTOCOL_VERSION

@@ -1,0 +1,206 @@
+"""The runner's side of DSBD: draft layers and forest verification from logits.
+
+Pure torch plus ``vllm_dsbd.algorithm`` (no vLLM), unit-tested with toy
+models. One DSBD iteration of a group (ALGORITHM.md) runs as:
+
+- draft layer ``i`` (:func:`draft_layer`): the draft model's logits at
+  every parent node of layer ``i-1`` give the draft joint ``Q_i`` over
+  (parent slot, token); ``W`` nodes are drawn from it with replacement
+  (``T > 0``) or taken by the draft's beam search (``T = 0``). ``Q_i`` stays
+  in the runner (:class:`DraftStore`) until the iteration is verified;
+- verification (:func:`verify`): the target's logits at every node of every
+  root-to-leaf path (one target forward) give ``p(. | node)``; then
+  ``algorithm.verify_forest`` (layer-by-layer acceptance with residuals and
+  the width rule) or ``algorithm.verify_forest_greedy`` (lossless beam search).
+
+Layouts (``algorithm.forest``): a layer has ``W`` slots; layer 0 holds the
+live beams; node id of (layer ``i``, slot ``j``) is ``j`` for ``i = 0`` and
+``W + (i-1) W + j`` otherwise; flattened joint index = ``slot * V + token``.
+Randomness comes from generators seeded from (seed, iteration, layer), the
+same on every tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from vllm_dsbd.algorithm import (
+    beam_search_step,
+    joint_probs,
+    sample_joint,
+    tempered_logprobs,
+    verify_forest,
+    verify_forest_greedy,
+)
+from vllm_dsbd.engine.protocol import DraftDecision, DraftStep, TokenLogprob, VerifyChoice, VerifyDecision, VerifyStep
+
+_VERIFY_SALT = 1_000
+
+
+def generator(seed: int, step: int, salt: int, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + step * 10_007 + salt) % (2**63 - 1))
+    return g
+
+
+class DraftStore:
+    """The draft joints ``Q_i`` of each group's current iteration, kept until it is verified."""
+
+    def __init__(self) -> None:
+        self._joints: dict[str, tuple[int, dict[int, Tensor]]] = {}  # group -> (iteration, layer -> [W*V])
+
+    def put(self, group_id: str, step: int, layer: int, joint: Tensor) -> None:
+        current = self._joints.get(group_id)
+        if current is None or current[0] != step:
+            current = (step, {})
+            self._joints[group_id] = current
+        current[1][layer] = joint
+
+    def take(self, group_id: str, step: int, num_layers: int) -> Tensor:
+        """[num_layers, W*V] joints of layers 1..num_layers of iteration ``step``; forgets the group."""
+        step_stored, joints = self._joints.pop(group_id)
+        if step_stored != step or sorted(joints) != list(range(1, num_layers + 1)):
+            raise RuntimeError(f"group {group_id}: draft joints of iteration {step_stored} layers {sorted(joints)}, "
+                               f"verifying iteration {step} with {num_layers} layers")
+        return torch.stack([joints[i] for i in range(1, num_layers + 1)])
+
+    def forget(self, group_ids) -> None:
+        for gid in group_ids:
+            self._joints.pop(gid, None)
+
+    def __len__(self) -> int:
+        return len(self._joints)
+
+
+def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep) -> tuple[DraftDecision, Tensor | None]:
+    """The W nodes of draft layer ``ds.layer`` and, for ``T > 0``, the joint ``Q`` they were drawn from.
+
+    logits: [num_rows, V] draft logits of this step's rows. Returns Q as [W*V] float32.
+    """
+    width = ds.beam_width
+    rows = torch.tensor([row_of[r] for r in ds.req_ids], device=logits.device)
+    slots = torch.tensor(ds.slots, device=logits.device)
+    parent_logits = logits.index_select(0, rows).float()  # [P, V]
+    vocab = parent_logits.shape[-1]
+    valid = torch.zeros((1, width), dtype=torch.bool)
+    valid[0, slots] = True
+    scores = torch.full((1, width), float("-inf"), dtype=torch.float64)
+    scores[0, slots] = torch.tensor(ds.scores, dtype=torch.float64)
+    if ds.temperature > 0:
+        lp = torch.zeros((width, vocab))
+        lp[slots] = tempered_logprobs(parent_logits, ds.temperature)
+        q = joint_probs(scores, valid, lp[None], torch.tensor([ds.top_k]), torch.tensor([ds.top_p]))  # [1, W*V]
+        draws = sample_joint(q, width, generator(ds.seed, ds.step, ds.layer, logits.device))[0]
+        parents, tokens = draws // vocab, draws % vocab
+        new_scores = scores[0, parents] + lp[parents, tokens].double()
+        return DraftDecision(ds.group_id, parents.tolist(), tokens.tolist(), new_scores.tolist()), q[0]
+    lp = torch.zeros((width, vocab))
+    lp[slots] = torch.log_softmax(parent_logits, dim=-1)
+    step = beam_search_step(lp[None], scores, valid, torch.tensor([ds.seq_len]), width, ds.eos_token_id,
+                            torch.tensor([ds.ignore_eos]), torch.tensor([ds.length_penalty], dtype=torch.float64))
+    keep = step.valid[0]
+    return DraftDecision(ds.group_id, step.parents[0][keep].tolist(), step.tokens[0][keep].tolist(),
+                         step.cum_logprobs[0][keep].tolist()), None
+
+
+def node_id(layer: int, slot: int, width: int) -> int:
+    return slot if layer == 0 else width + (layer - 1) * width + slot
+
+
+def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor | None) -> VerifyDecision:
+    """Verify one group's forest.
+
+    path_logits: per path of ``vs.paths``, [len(path), V] target logits at its
+    nodes (root first). draft_joints: [layers, W*V] (``T > 0``; None at ``T = 0``).
+    """
+    width, num_layers = vs.beam_width, len(vs.draft_parents)
+    vocab = path_logits[0].shape[-1]
+    num_nodes = (num_layers + 1) * width
+    node_logits = torch.zeros((num_nodes, vocab))
+    filled = torch.zeros(num_nodes, dtype=torch.bool)
+    for path, rows in zip(vs.paths, path_logits):
+        for node, row in zip(path, rows.float()):
+            if not filled[node]:
+                node_logits[node], filled[node] = row, True
+    raw = torch.log_softmax(node_logits, dim=-1)  # [nodes, V]
+    parents = torch.tensor(vs.draft_parents, dtype=torch.long).reshape(1, num_layers, width)
+    tokens = torch.tensor(vs.draft_tokens, dtype=torch.long).reshape(1, num_layers, width)
+    exists = torch.tensor(vs.draft_exists, dtype=torch.bool).reshape(1, num_layers, width)
+    root_scores = torch.tensor([vs.root_scores], dtype=torch.float64)
+    root_valid = torch.tensor([vs.root_valid])
+    ignore_eos = torch.tensor([vs.ignore_eos])
+    ends = (lambda t: t == vs.eos_token_id and not vs.ignore_eos) if vs.eos_token_id is not None else (lambda t: False)
+
+    def choice(parent_node: int, token: int, score: float) -> VerifyChoice:
+        return VerifyChoice(parent_node, token, score,
+                            _path_logprobs(raw, parent_node, token, vs, width, vs.num_logprobs))
+
+    proposed = exists[0].sum(-1).tolist()
+    if vs.temperature > 0:
+        target = tempered_logprobs(node_logits, vs.temperature).reshape(1, num_layers + 1, width, vocab)
+        res = verify_forest(
+            target, root_scores, root_valid, draft_joints[None], parents, tokens, exists,
+            torch.tensor([num_layers]), torch.tensor([vs.width_threshold]), vs.min_width, vs.num_out,
+            generator(vs.seed, vs.step, _VERIFY_SALT), torch.tensor([vs.top_k]), torch.tensor([vs.top_p]),
+            vs.eos_token_id, ignore_eos,
+        )
+        passed = int(res.num_passed[0])
+        beams, finished = [], []
+        for layer in range(passed):  # accepted EOS drafts of passed layers are finished hypotheses
+            for slot in range(width):
+                if res.accepted[0, layer, slot] and ends(int(tokens[0, layer, slot])):
+                    finished.append(choice(node_id(layer, int(parents[0, layer, slot]), width),
+                                           int(tokens[0, layer, slot]), float(res.node_scores[0, layer, slot])))
+        for s in range(int(res.out_count[0])):
+            c = choice(node_id(passed, int(res.out_parent[0, s]), width), int(res.out_token[0, s]),
+                       float(res.out_score[0, s]))
+            (finished if ends(c.token) else beams).append(c)
+        verified = min(passed + 1, num_layers)
+        accepted = res.accepted[0].sum(-1).tolist()[:verified]
+        return VerifyDecision(vs.group_id, passed, beams, finished, proposed[:verified], accepted,
+                              res.widths[0].tolist()[:verified])
+
+    res = verify_forest_greedy(
+        raw.reshape(1, num_layers + 1, width, vocab), root_scores, root_valid, parents, tokens, exists,
+        torch.tensor([num_layers]), torch.tensor([vs.seq_len]), width, vs.eos_token_id, ignore_eos,
+        torch.tensor([vs.length_penalty], dtype=torch.float64),
+    )
+    passed = int(res.num_passed[0])
+    finished = []
+    for i in range(passed + 1):  # step i+1's EOS hypotheses: children of layer i
+        for p, cum, ok in zip(res.finished_parent[0, i].tolist(), res.finished_cum_logprob[0, i].tolist(),
+                              res.finished_valid[0, i].tolist()):
+            if ok:
+                finished.append(choice(node_id(i, p, width), vs.eos_token_id, cum))
+    beams = [choice(node_id(passed, p, width), t, cum)
+             for p, t, cum, ok in zip(res.out_parent[0].tolist(), res.out_token[0].tolist(),
+                                      res.out_cum_logprob[0].tolist(), res.out_valid[0].tolist()) if ok]
+    verified = min(passed + 1, num_layers)
+    accepted = [proposed[i] if i < passed else 0 for i in range(verified)]
+    return VerifyDecision(vs.group_id, passed, beams, finished, proposed[:verified], accepted, [])
+
+
+def _path_logprobs(raw: Tensor, parent_node: int, token: int, vs: VerifyStep, width: int,
+                   num_logprobs: int) -> tuple[TokenLogprob, ...]:
+    """Raw target log-probs of the tokens from the root to ``parent_node``, then of ``token``."""
+    chain = [(parent_node, token)]
+    node = parent_node
+    while node >= width:  # walk up to the root
+        layer, slot = divmod(node - width, width)
+        parent = node_id(layer, vs.draft_parents[layer][slot], width)
+        chain.append((parent, vs.draft_tokens[layer][slot]))
+        node = parent
+    out = []
+    for node, tok in reversed(chain):
+        row = raw[node]
+        lp = float(row[tok])
+        rank = int((row > row[tok]).sum()) + 1
+        top = ((), ())
+        if num_logprobs > 0:
+            vals, ids = row.topk(num_logprobs)
+            top = (tuple(ids.tolist()), tuple(vals.tolist()))
+        out.append(TokenLogprob(lp, rank, *top))
+    return tuple(out)
