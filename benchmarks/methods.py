@@ -15,7 +15,7 @@ Adding a method::
 A method that cannot run here is reported as skipped with a reason, never
 replaced by something else: a method with ``needs_draft`` is skipped without a
 draft, and a backend whose start raises :class:`NotImplementedError` (the
-plugin's "DSBD engine not implemented yet") or
+plugin's refusal of something it does not implement) or
 :class:`vllm_dsbd.models.ModelUnavailableError` skips all its methods with
 that message.
 """
@@ -77,7 +77,7 @@ def skip_reason(m: Method, settings: Settings) -> str | None:
     """Why ``m`` cannot run with ``settings`` (checked before its backend starts), or None."""
     if m.needs_draft and settings.draft is None:
         return (
-            "needs a draft model: no default draft ships yet "
+            "needs a draft model: none given and no default draft prepared "
             "(vllm_dsbd.models.default_draft_path() is None); pass --draft PATH"
         )
     return None
@@ -276,9 +276,8 @@ def _hf_beam_sampling(model, s: Settings) -> GenerateFn:
 # ---------------------------------------------------------------------------
 # vllm-dsbd: the documented user API (shared/design/ARCHITECTURE.md, "What
 # users do"). In-engine beam decoding runs on a DSBD engine without a draft
-# (num_speculative_tokens 0). The speculative DSBD methods need a draft and a
-# DSBD engine with speculation: while that engine refuses to start
-# (NotImplementedError) they are reported as skipped with its message.
+# (num_speculative_tokens 0); the speculative DSBD methods on a DSBD engine
+# drafting with the run's draft (num_speculative_tokens γ).
 # ---------------------------------------------------------------------------
 
 BACKENDS["vllm-dsbd-beams"] = lambda s: _vllm_engine(
@@ -296,15 +295,17 @@ BACKENDS["vllm-dsbd"] = lambda s: _vllm_engine(
 
 
 def _dsbd(sample: bool, **knobs) -> Callable[[Any, Settings], GenerateFn]:
-    """A beam request: ``n`` = W sequences, T = 0 (search) or T (sampling), knobs in ``extra_args``."""
+    """A beam request: ``n`` = W sequences (1 when one beam is carried), T = 0 (search) or T (sampling),
+    knobs in ``extra_args``."""
 
     def make(llm, s: Settings) -> GenerateFn:
         extra = {"beam_width": s.beam_width, **knobs}
         temperature = s.temperature if sample else 0.0
+        n = 1 if knobs.get("memory_efficient") else s.beam_width
         return lambda prompts, max_tokens: _vllm_generate(
             llm,
             prompts,
-            _sampling_params(s, max_tokens, n=s.beam_width, temperature=temperature, extra_args=extra),
+            _sampling_params(s, max_tokens, n=n, temperature=temperature, extra_args=extra),
         )
 
     return make

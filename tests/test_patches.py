@@ -76,9 +76,24 @@ def _engine_args(tiny_pair, **spec):
     )
 
 
-def test_dsbd_with_a_draft_is_validated_then_refused_clearly(tiny_pair):
+def test_dsbd_with_a_draft_builds_a_speculative_engine(tiny_pair):
+    """A draft and γ >= 1: vLLM loads the draft (draft_model-style KV), DSBD classes installed, prefix caching off."""
+    from vllm_dsbd.config import DSBDConfig
+
     args = _engine_args(tiny_pair, num_speculative_tokens=3, beam_width=8, width_threshold=0.5)
-    with pytest.raises(patches.DSBDEngineNotImplementedError, match=r"beam_width=8.*not implemented"):
+    config = args.create_engine_config()
+    assert config.speculative_config.method == "dsbd" and config.speculative_config.num_speculative_tokens == 3
+    assert config.speculative_config.uses_draft_model()
+    assert config.scheduler_config.scheduler_cls == patches.ENGINE_CLASSES["scheduler_cls"]
+    assert not config.cache_config.enable_prefix_caching
+    assert DSBDConfig.from_vllm_config(config) == DSBDConfig(beam_width=8, num_speculative_tokens=3,
+                                                             width_threshold=0.5)
+
+
+def test_gamma_too_large_for_max_model_len_is_refused(tiny_pair):
+    args = _engine_args(tiny_pair, num_speculative_tokens=40)
+    args.max_model_len = 32
+    with pytest.raises(ValueError, match=r"'num_speculative_tokens'=40 does not fit max_model_len=32"):
         args.create_engine_config()
 
 

@@ -1,12 +1,13 @@
-"""The main job: beam decoding on the default target, side by side, with timings.
+"""The main job: beam decoding on the default pair, side by side, with timings.
 
-One DSBD engine (``speculative_config={"method": "dsbd",
-"num_speculative_tokens": 0}``: in-engine beam decoding, no draft) runs
-everything on the same prompts: vLLM's greedy decoding, vLLM's built-in
-``LLM.beam_search`` (its front-end loop, run unchanged on this engine),
-vllm-dsbd's in-engine beam search (``llm.beam_search`` on a DSBD engine) and
-in-engine beam sampling (``SamplingParams(n, temperature, extra_args=
-{"beam_width": W})``).
+A DSBD engine without a draft (``speculative_config={"method": "dsbd",
+"num_speculative_tokens": 0}``) runs, on the same prompts: vLLM's greedy
+decoding, vLLM's built-in ``LLM.beam_search`` (its front-end loop, run
+unchanged on this engine), vllm-dsbd's in-engine beam search
+(``llm.beam_search`` on a DSBD engine) and in-engine beam sampling
+(``SamplingParams(n, temperature, extra_args={"beam_width": W})``). Then a
+DSBD engine drafting with the default draft runs the same beam search
+(lossless: the same outputs) and beam sampling with speculation.
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ def beam_engine_kwargs(model: str, max_beam_width: int = 8) -> dict:
     """A DSBD engine without a draft: in-engine beam search and beam sampling."""
     return dict(engine_kwargs(model), speculative_config={
         "method": "dsbd", "num_speculative_tokens": 0, "beam_width": max_beam_width})
+
+
+def dsbd_engine_kwargs(model: str, draft: str, num_speculative_tokens: int = 4, max_beam_width: int = 8,
+                       **knobs) -> dict:
+    """A DSBD engine drafting with ``draft``: γ and W are the most a request may ask for."""
+    spec = {"method": "dsbd", "model": draft, "num_speculative_tokens": num_speculative_tokens,
+            "beam_width": max_beam_width, **knobs}
+    return dict(engine_kwargs(model), speculative_config=spec)
 
 
 def _completion(prompt: str, text: str) -> str:
@@ -78,6 +87,22 @@ def run_demo(args: argparse.Namespace) -> int:
     timed(f"vllm-dsbd in-engine beam sampling (W={width}, T=0.7)", lambda: [
         o.outputs[0].text for o in llm.generate(DEMO_PROMPTS, sampling, use_tqdm=False)])
 
+    draft = None if args.no_draft else models.default_draft_path(args.cache_dir)
+    if draft is not None:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        t0 = time.perf_counter()
+        llm = LLM(**dsbd_engine_kwargs(model, str(draft), args.num_speculative_tokens, max(8, width)),
+                  disable_log_stats=False)
+        print(f"DSBD engine start: {time.perf_counter() - t0:.1f} s  (draft {draft}, "
+              f"γ={args.num_speculative_tokens})")
+        timed(f"DSBD beam search (W={width}, γ={args.num_speculative_tokens}, lossless)", lambda: [
+            _completion(p, b.sequences[0].text) for p, b in zip(DEMO_PROMPTS, llm.beam_search(prompts, search))])
+        timed(f"DSBD beam sampling (W={width}, γ={args.num_speculative_tokens}, T=0.7, dynamic width)", lambda: [
+            o.outputs[0].text for o in llm.generate(DEMO_PROMPTS, sampling, use_tqdm=False)])
+        counts = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")
+                  and not m.name.endswith("per_pos")}
+
     base = rows[0][1]
     for name, secs, texts in rows:
         print(f"\n=== {name}: {secs:.2f} s ({secs / base:.1f}x greedy)")
@@ -89,4 +114,11 @@ def run_demo(args: argparse.Namespace) -> int:
         f"In-engine beam search: {builtin / ours:.1f}x faster than vLLM's built-in loop, same outputs "
         f"at temperature 0."
     )
+    if draft is None:
+        print("No DSBD rows: no default draft is prepared (`vllm-dsbd models prepare`).")
+    else:
+        iterations = counts.get("vllm:spec_decode_num_drafts", 0)
+        print(f"DSBD: {iterations:.0f} iterations (one target forward each, per group), "
+              f"{counts.get('vllm:spec_decode_num_accepted_tokens', 0):.0f} of "
+              f"{counts.get('vllm:spec_decode_num_draft_tokens', 0):.0f} draft nodes accepted.")
     return 0

@@ -1,13 +1,25 @@
 """The DSBD model runner: vLLM's V1 runner that takes each ready beam group's step.
 
 The scheduler's :class:`~vllm_dsbd.engine.protocol.StepPlan` arrives with
-``SchedulerOutput``; after vLLM's sampler has run on the batch,
-:meth:`DSBDModelRunnerMixin._sample` decides each group's next beams from the
-target logits (``engine.beam_step``) and rewrites the sampled token of each
-beam's row: the token its request continues with, or none (the row's token
-is discarded, as for a partial prefill) for beams without children and for
-beams of groups that are not ready. The decisions go back to the scheduler in
-``ModelRunnerOutput.dsbd_result``.
+``SchedulerOutput``. The forward pass is vLLM's own (input preparation,
+paged attention, logits); the runner then decides, from the logits, per
+group (``engine.beam_step`` and ``engine.spec_step``):
+
+- a beam step (no speculation): the next beams;
+- a draft layer (a *draft step*: ``plan.draft``; the draft model replaces the
+  target for the whole forward — its layers share the target's KV-cache group,
+  so vLLM's attention metadata already covers them): the layer's W draft nodes,
+  drawn from the draft joint ``Q``, which stays here until verification;
+- a verification (a target step in which the group's root-to-leaf paths
+  carry spec tokens, so the logits hold the target's distribution at every
+  node): accepted nodes and the new beams.
+
+It rewrites each group row's sampled tokens to what the row's request
+continues with (one token; for a verified path, the accepted path tokens and
+the new token) or discards them (the row's request is freed, forked from, or
+waits). The decisions go back in ``ModelRunnerOutput.dsbd_result``. vLLM's
+own drafter (``draft_model``) never proposes: DSBD drafts through its draft
+steps.
 
 Every tensor-parallel rank runs the same decisions (same logits, same
 per-group generators); only the output rank's result is read.
@@ -15,10 +27,12 @@ per-group generators); only the output rank's result is read.
 
 from __future__ import annotations
 
+import numpy as np
+import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_dsbd.engine import beam_step
+from vllm_dsbd.engine import beam_step, spec_step
 from vllm_dsbd.engine.protocol import PLAN_ATTR, RESULT_ATTR, StepPlan, StepResult
 
 
@@ -28,35 +42,84 @@ class DSBDModelRunnerMixin:
     _dsbd_plan: StepPlan | None = None
     _dsbd_result: StepResult | None = None
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._dsbd_drafts = spec_step.DraftStore()
+        if hasattr(self, "drafter"):
+            # vLLM asks the proposer whether its model returns (hidden, aux) tuples by method
+            # name; "dsbd" runs a plain causal LM like "draft_model".
+            self.drafter.model_returns_tuple = lambda: False
+
     def execute_model(self, scheduler_output, *args, **kwargs):
-        self._dsbd_plan = getattr(scheduler_output, PLAN_ATTR, None)
+        plan = self._dsbd_plan = getattr(scheduler_output, PLAN_ATTR, None)
         self._dsbd_result = None
-        return super().execute_model(scheduler_output, *args, **kwargs)
+        if plan is None or not plan.draft:
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        target = self.model
+        self.model = self.drafter.model  # a draft step: the draft model runs (and gives the logits)
+        try:
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        finally:
+            self.model = target
+
+    def propose_draft_token_ids(self, *args, **kwargs):
+        return None  # vLLM's draft_model proposer is not used: DSBD drafts in its own steps
+
+    def take_draft_token_ids(self):
+        return None
 
     def _sample(self, logits, spec_decode_metadata):
         sampler_output = super()._sample(logits, spec_decode_metadata)
         plan, self._dsbd_plan = self._dsbd_plan, None
-        if plan is None or logits is None:
+        if plan is None:
             return sampler_output
-        if spec_decode_metadata is not None:
-            raise NotImplementedError("DSBD speculation (draft forests) is not implemented in this runner yet")
-        row_of = self.input_batch.req_id_to_index
+        self._dsbd_drafts.forget(plan.forget_group_ids)
+        if logits is None:
+            return sampler_output
+        req_index = self.input_batch.req_id_to_index
+        num_reqs = self.input_batch.num_reqs
+        # logits rows of request i: [start[i], start[i] + count[i]); count = spec tokens + 1
+        if spec_decode_metadata is None:
+            count = np.ones(num_reqs, dtype=np.int64)
+        else:
+            count = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64) + 1
+        start = np.concatenate([[0], np.cumsum(count)[:-1]])
+        last_row = {rid: int(start[i] + count[i] - 1) for rid, i in req_index.items()}
+        sampled = sampler_output.sampled_token_ids  # [num_reqs, max spec tokens + 1]
         discard = self.discard_request_mask.np
-        sampled = sampler_output.sampled_token_ids  # [num_reqs, 1]
-        decisions = beam_step.decide(logits, row_of, plan.groups)
-        for step in plan.groups:
-            tokens = beam_step.row_tokens(decisions[step.group_id], len(step.req_ids))
-            for rid, token in zip(step.req_ids, tokens):
-                row = row_of[rid]
-                if token is None:
-                    discard[row] = True
-                else:
-                    sampled[row, 0] = token
+        result = StepResult({})
+
+        if plan.draft:
+            for ds in plan.draft_steps:
+                decision, joint = spec_step.draft_layer(logits, last_row, ds)
+                if joint is not None:
+                    self._dsbd_drafts.put(ds.group_id, ds.step, ds.layer, joint)
+                result.draft_decisions[ds.group_id] = decision
+                for rid in ds.req_ids:  # parent nodes keep their tokens; children are forks
+                    discard[req_index[rid]] = True
+        else:
+            result.decisions = beam_step.decide(logits, last_row, plan.groups)
+            for step in plan.groups:
+                tokens = beam_step.row_tokens(result.decisions[step.group_id], len(step.req_ids))
+                for rid, token in zip(step.req_ids, tokens):
+                    _set_row(sampled, discard, req_index[rid], None if token is None else [token])
+            for vs in plan.verify_steps:
+                rows = [req_index[rid] for rid in vs.path_req_ids]
+                path_logits = [logits[start[i]:start[i] + count[i]] for i in rows]
+                joints = None
+                if vs.temperature > 0:
+                    num_layers = len(vs.draft_parents)
+                    joints = (self._dsbd_drafts.take(vs.group_id, vs.step, num_layers) if num_layers
+                              else torch.zeros((0, vs.beam_width * logits.shape[-1])))
+                decision = spec_step.verify(path_logits, vs, joints)
+                result.verify_decisions[vs.group_id] = decision
+                for i, tokens in zip(rows, _path_row_tokens(vs, decision)):
+                    _set_row(sampled, discard, i, tokens)
         for rid in plan.discard_req_ids:
-            row = row_of.get(rid)
-            if row is not None:
-                discard[row] = True
-        self._dsbd_result = StepResult(decisions)
+            i = req_index.get(rid)
+            if i is not None:
+                discard[i] = True
+        self._dsbd_result = result
         return sampler_output
 
     def sample_tokens(self, grammar_output):
@@ -65,6 +128,29 @@ class DSBDModelRunnerMixin:
         if result is not None:
             setattr(output, RESULT_ATTR, result)
         return output
+
+
+def _set_row(sampled: torch.Tensor, discard: np.ndarray, row: int, tokens: list[int] | None) -> None:
+    """The tokens a request continues with (None: none, discard the row)."""
+    if tokens is None:
+        discard[row] = True
+        return
+    sampled[row, :] = -1  # vLLM's placeholder: dropped when the row is parsed
+    sampled[row, :len(tokens)] = torch.tensor(tokens, dtype=sampled.dtype)
+
+
+def _path_row_tokens(vs, decision) -> list[list[int] | None]:
+    """Per path of a verified forest: accepted path tokens + new token for the path that carries a
+    parent node's first child (the first path through the node), None for the other paths."""
+    out: list[list[int] | None] = [None] * len(vs.paths)
+    width = vs.beam_width
+    for c in decision.beams:
+        path = next(k for k, nodes in enumerate(vs.paths) if c.parent in nodes)
+        if out[path] is None:
+            depth = vs.paths[path].index(c.parent)
+            tokens = [vs.draft_tokens[(n - width) // width][(n - width) % width] for n in vs.paths[path][1:depth + 1]]
+            out[path] = tokens + [c.token]
+    return out
 
 
 class DSBDCPUModelRunner(DSBDModelRunnerMixin, CPUModelRunner):

@@ -90,16 +90,36 @@ SUBCLASSED_SHA256 = {
     "vllm.v1.worker.cpu_worker.CPUWorker.init_device": (
         "11721464aeb0de34c17055fee454c78485fe0470af47cdbfe74ee7cd1a42474d"
     ),
+    "vllm.v1.core.sched.scheduler.Scheduler._preempt_request": (
+        "4113f5de8a84ec2532821578e8e3fb6ca4609b14d3d77b4a57d2b641ca427902"
+    ),
+    "vllm.v1.core.sched.scheduler.Scheduler.make_stats": (
+        "8963d2ab6518f994b0bf81bd682b4a9d665953c7bedb094cd565bb1cb6d04de2"
+    ),
+    "vllm.v1.core.sched.scheduler.Scheduler._update_after_schedule": (
+        "2b527eb8070d3cce3510708df6df669d22ed2a6681261d84d0cb43c641036d07"
+    ),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model": (
+        "e058bf791a298e988db79e75c180c5474cd4884623d87c8fe600a89b6289d1aa"
+    ),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids": (
+        "a60269aca9de4e251b8132aa1d95de38497b65bfdb20fbb54596fe4d5600ad35"
+    ),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.take_draft_token_ids": (
+        "21e3697c8c5f9a817a05cb97c90c8c535eaf6b50ac15f532139457d4530096d8"
+    ),
+    "vllm.v1.sample.rejection_sampler.RejectionSampler.parse_output": (
+        "6090d9b983277064f4a03971da5d9311747506b482e6357787f28fbe9c2cb81c"
+    ),
+    "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer.model_returns_tuple": (
+        "28dd9a9eea577339cb44e71a7b27ced8819500c25de004ca4b3837d868706b46"
+    ),
     "vllm.v1.worker.gpu_worker.Worker._make_model_runner": (
         "3817214704e1e262501988b3355525be27d1a61424ff9db1da1be11016fa2be4"
     ),
 }
 
 _applied = False
-
-
-class DSBDEngineNotImplementedError(NotImplementedError):
-    """A valid DSBD request for a part of the engine that does not exist yet."""
 
 
 def source_sha256(fn: Any) -> str:
@@ -254,8 +274,10 @@ def _speculative_method_flag() -> None:
 #            in additional_config["dsbd"] (it travels pickled to every
 #            process), set scheduler_cls / worker_cls, turn async scheduling
 #            off. num_speculative_tokens = 0 needs no draft: no vLLM
-#            speculative config is built. After it: the draft's vocabulary
-#            must be the target's.
+#            speculative config is built; with a draft, prefix caching is
+#            turned off (a DSBD block may hold target KV without draft KV, or
+#            the other way round). After it: the draft's vocabulary must be
+#            the target's, and γ must fit max_model_len.
 #   remove-when: vLLM has an extension point for method-specific options and
 #            plugin-provided engine classes.
 # ---------------------------------------------------------------------------
@@ -272,12 +294,12 @@ def _dsbd_engine_config() -> None:
         config = original(self, *args, **kwargs)
         if config.speculative_config is not None:
             check_same_vocabulary(config.speculative_config)
-            raise DSBDEngineNotImplementedError(
-                f"The speculative config is valid ({dsbd}), but DSBD speculation (draft forests "
-                f"verified by the target) is not implemented in vllm-dsbd yet. In-engine beam "
-                f"decoding without a draft works today: set \"num_speculative_tokens\": 0 and drop "
-                f"\"model\"."
-            )
+            max_model_len = config.model_config.max_model_len
+            if dsbd.num_speculative_tokens + 2 > max_model_len:
+                raise ValueError(
+                    f"DSBD knob 'num_speculative_tokens'={dsbd.num_speculative_tokens} does not fit "
+                    f"max_model_len={max_model_len}; allowed: at most max_model_len - 2 = {max_model_len - 2}."
+                )
         return config
 
     EngineArgs.create_engine_config = _wrapped(original, create_engine_config)
@@ -359,6 +381,11 @@ def _install_dsbd_engine(args: Any, dsbd: DSBDConfig) -> None:
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", "false", "False"):
         raise ValueError("A DSBD engine needs vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER.")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # inherited by the engine's processes
+    if dsbd.num_speculative_tokens > 0:
+        if args.enable_prefix_caching:
+            raise ValueError("DSBD speculation (num_speculative_tokens >= 1) needs prefix caching off; "
+                             "remove --enable-prefix-caching.")
+        args.enable_prefix_caching = False
     args.scheduler_cls = ENGINE_CLASSES["scheduler_cls"]
     args.worker_cls = worker
     args.async_scheduling = False

@@ -90,6 +90,10 @@ def validate(params: Any, engine: DSBDConfig) -> DSBDConfig:
             raise BeamRequestError(
                 f"Beam decoding (vllm-dsbd) does not support SamplingParams.{name}={value!r}; "
                 f"allowed: {unused!r} (leave it unset).", parameter=name)
+    if config.memory_efficient and params.n > 1:
+        raise BeamRequestError(
+            f"SamplingParams.n={params.n} with DSBD knob 'memory_efficient'=True: one beam is carried "
+            f"between iterations, so at most one best hypothesis is returned; allowed: n = 1.", parameter="n")
     if params.n > config.beam_width:
         raise BeamRequestError(
             f"SamplingParams.n={params.n} is larger than DSBD knob 'beam_width'={config.beam_width}; "
@@ -128,4 +132,8 @@ def beam_params(params: Any, engine: DSBDConfig, *, prompt_len: int, max_model_l
         eos_token_id=eos,
         num_logprobs=num_logprobs,
         seed=int(params.seed) if params.seed is not None else default_seed,
+        num_speculative_tokens=config.num_speculative_tokens,
+        width_threshold=1.0 if config.uses_fixed_width else config.width_threshold,
+        min_width=config.min_width,
+        memory_efficient=config.memory_efficient,
     )

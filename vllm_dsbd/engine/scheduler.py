@@ -26,8 +26,25 @@ class adds:
   Aborting a user request frees all its beams.
 
 Plain requests are scheduled by the base class unchanged. Preemption picks
-victims as vLLM does (beams included); a preempted beam is recomputed from
-its tokens before its group moves on.
+victims as vLLM does (beams included); the rest of a group one of whose beams
+was preempted is preempted at the next step, and its beams are recomputed
+before the group moves on.
+
+**DSBD iterations** (``num_speculative_tokens`` > 0). Engine steps are of
+two kinds. A *draft step* runs only the draft model, only on the groups that
+are drafting: each such group's parent nodes (layer 0: the beams) compute
+their next draft distribution; the runner draws the layer's ``W`` nodes, and
+the nodes the draft grows further become requests forked from their parents.
+A *target step* runs the target on everything else: plain requests, beam
+groups without speculation, prompts, and the verification of groups whose
+forest is complete, with one request per root-to-leaf path whose draft tokens
+are vLLM spec tokens (the target computes every node of every group's forest
+in this one forward). Steps are draft steps while any group is drafting.
+Every beam request has two KV frontiers, the target's and the draft's (the
+same blocks hold both models' layers); ``num_computed_tokens`` is set to the
+one the step's model continues from. Prefix caching is off for speculative
+engines (a block whose target KV is complete may miss draft KV, and the other
+way round).
 """
 
 from __future__ import annotations
@@ -43,15 +60,17 @@ from collections.abc import Iterable
 import numpy as np
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.engine import requests as beam_requests
-from vllm_dsbd.engine.beam_group import BeamGroup, Hypothesis
+from vllm_dsbd.engine.beam_group import BeamGroup, Extend, Fork, Free, Hypothesis, PathRequest, StepEffects
 from vllm_dsbd.engine.protocol import PLAN_ATTR, RESULT_ATTR, StepPlan
 
 logger = init_logger(__name__)
@@ -71,7 +90,16 @@ class DSBDScheduler(Scheduler):
         self._beam_group: dict[str, str] = {}  # internal request id -> group id
         self._unsent: set[str] = set()  # internal requests the workers have not been told about
         self._preempted_groups: set[str] = set()  # groups with a beam preempted since the last step
+        self._forgotten_groups: list[str] = []  # gone since the last step (the runner drops their drafts)
+        self._draft_participants: list[Request] = []  # requests of the current draft step
         self._beam_ids = itertools.count()
+        # vLLM's own draft_model scheduling is not used: no spec-token padding, no lookahead slots
+        # (DSBD schedules its drafts and spec tokens itself).
+        self.num_spec_tokens = 0
+        self.num_lookahead_tokens = 0
+        spec = self.vllm_config.speculative_config
+        self._num_draft_layers = spec.num_speculative_tokens if spec is not None else 0
+        self._spec_stats: SpecDecodingStats | None = None  # this step's, in vLLM's spec-decode counters
         # Seeds of unseeded groups: reproducible for a given engine seed and arrival order.
         self._seeds = random.Random(self.vllm_config.model_config.seed)
 
@@ -132,18 +160,57 @@ class DSBDScheduler(Scheduler):
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
         self._preempt_split_groups()
         self._admit_groups()
-        # Keep request slots free for the forks of admitted groups (up to W beams each).
-        reserved = sum(g.params.beam_width - len(g.beams) for g in self._admitted_groups())
+        drafting = [g for g in self._admitted_groups() if _phase(g) == "draft"]
+        # Keep request slots free for the forks of admitted groups.
+        reserved = sum(max(0, self._slots(g) - len(g.beams) - len(g.extra_requests()))
+                       for g in self._admitted_groups())
         self.max_num_active_reqs -= reserved
         try:
-            out = super().schedule(*args, **kwargs)
+            out = self._schedule_draft(drafting, *args, **kwargs) if drafting else \
+                self._schedule_target(*args, **kwargs)
         finally:
             self.max_num_active_reqs += reserved
         self._announce_unsent(out)
-        plan = self._plan(out)
+        plan = self._plan_draft(out, drafting) if drafting else self._plan_target(out)
+        if self._forgotten_groups:
+            plan = plan or StepPlan([])
+            plan.forget_group_ids, self._forgotten_groups = self._forgotten_groups, []
         if plan is not None:
             setattr(out, PLAN_ATTR, plan)
         return out
+
+    def _schedule_draft(self, drafting: list[BeamGroup], *args, **kwargs) -> SchedulerOutput:
+        """A draft step: only the drafting groups' parent nodes run (the draft model), nothing is admitted."""
+        participants = [r for g in drafting for _, r, _ in g.draft_parents()]
+        for r in participants:
+            r.num_computed_tokens = r.dsbd_draft
+        visible = set(participants)
+        running, waiting, kv_holding = self.running, self.waiting, self.kv_holding_waiting
+        self.running = [r for r in running if r in visible]
+        self.waiting, self.kv_holding_waiting = create_request_queue(self.policy), create_request_queue(self.policy)
+        try:
+            out = super().schedule(*args, **kwargs)
+        finally:
+            still = set(self.running)
+            self.running = [r for r in running if r not in visible or r in still]
+            preempted = list(self.waiting) + list(self.kv_holding_waiting)
+            self.waiting, self.kv_holding_waiting = waiting, kv_holding
+            for r in preempted:
+                self._enqueue_waiting_request(r)
+        self._draft_participants = participants
+        return out
+
+    def _schedule_target(self, *args, **kwargs) -> SchedulerOutput:
+        """A target step: everything but drafting runs; speculative groups continue from the target's frontier."""
+        for group in self._admitted_groups():
+            if not group.speculative or not group.in_iteration:
+                continue
+            for b in group.beams:
+                b.request.num_computed_tokens = b.request.dsbd_target
+            for pr in group.path_requests:
+                pr.request.num_computed_tokens = pr.request.dsbd_target
+                pr.request.spec_token_ids = list(pr.spec_tokens)
+        return super().schedule(*args, **kwargs)
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
         super()._preempt_request(request, timestamp, drop_stale_output)
@@ -163,9 +230,18 @@ class DSBDScheduler(Scheduler):
         if not self._preempted_groups:
             return
         now = time.monotonic()
-        victims = [r for gid in self._preempted_groups if gid in self.groups
-                   for r in self.groups[gid].requests() if r.status == RequestStatus.RUNNING]
-        self.running = remove_all(self.running, set(victims))
+        victims, released = [], set()
+        for gid in self._preempted_groups:
+            group = self.groups.get(gid)
+            if group is None:
+                continue
+            if group.speculative:  # the iteration is lost with the KV: drafts and path forks go
+                released.update(self._release_beam(r) for r in group.reset_iteration())
+                for b in group.beams:
+                    b.request.spec_token_ids = []
+                    b.request.dsbd_target = b.request.dsbd_draft = None
+            victims += [b.request for b in group.beams if b.request.status == RequestStatus.RUNNING]
+        self.running = remove_all(self.running, set(victims) | released)
         for request in victims:
             self._preempt_request(request, now)
         self._preempted_groups.clear()
@@ -185,9 +261,9 @@ class DSBDScheduler(Scheduler):
             group = self.groups[self._admission[0]]
             admitted = list(self._admitted_groups())
             if admitted:
-                num_beam_slots = sum(g.params.beam_width for g in admitted)
+                num_beam_slots = sum(self._slots(g) for g in admitted)
                 num_plain = sum(1 for r in self.running if r.request_id not in self._beam_group)
-                if num_plain + num_beam_slots + group.params.beam_width > self.max_num_running_reqs:
+                if num_plain + num_beam_slots + self._slots(group) > self.max_num_running_reqs:
                     return
                 free = self.kv_cache_manager.block_pool.get_num_free_blocks()
                 if free - sum(self._blocks_to_reserve(g) for g in admitted) < self._blocks_to_reserve(group):
@@ -201,11 +277,22 @@ class DSBDScheduler(Scheduler):
                 if user is not None and self.log_stats:
                     user.record_event(EngineCoreEventType.SCHEDULED)
 
+    @staticmethod
+    def _slots(group: BeamGroup) -> int:
+        """Request slots a group may hold at once: W beams; with speculation W draft nodes and up to
+        W (γ + 1) paths besides."""
+        width, gamma = group.params.beam_width, group.params.num_speculative_tokens
+        return width if gamma == 0 else width * (gamma + 3)
+
     def _blocks_to_reserve(self, group: BeamGroup) -> int:
-        """KV blocks a group may still claim: W beams growing to max_tokens, plus a tail copy each."""
+        """KV blocks a group may still claim: W beams growing to max_tokens, plus a tail copy each
+        (with speculation: the blocks of W draft nodes and W (γ + 1) paths besides)."""
         block_size = self.block_size
         remaining = group.params.max_tokens - group.num_generated
-        blocks = group.params.beam_width * (math.ceil(remaining / block_size) + 1)
+        width, gamma = group.params.beam_width, group.params.num_speculative_tokens
+        blocks = width * (math.ceil(remaining / block_size) + 1)
+        if gamma:
+            blocks += width * (gamma + 2) * (math.ceil(gamma / block_size) + 1)
         if group.num_generated == 0:
             blocks += math.ceil(group.prompt_len / block_size)
         return blocks
@@ -243,20 +330,49 @@ class DSBDScheduler(Scheduler):
             num_output_tokens=[cached.num_output_tokens[i] for i in keep],
         )
 
-    def _plan(self, out: SchedulerOutput) -> StepPlan | None:
-        """Ready groups take their step; beams of other groups computed up to their last token wait."""
-        scheduled = out.num_scheduled_tokens
-        steps, discard = [], []
+    def _plan_target(self, out: SchedulerOutput) -> StepPlan | None:
+        """Ready groups take their step; requests of other groups computed up to their end wait.
+
+        Ready: a beam group (no speculation) whose every beam was computed up to
+        its last token; a speculative group whose every path was computed with
+        all its spec tokens (verification), or whose every beam's prompt / lost
+        KV was recomputed (the iteration starts; the last token is recomputed
+        with the forest).
+        """
+        scheduled, spec = out.num_scheduled_tokens, out.scheduled_spec_decode_tokens
+        plan = StepPlan([])
         for group in self._admitted_groups():
+            phase = _phase(group)
+            if phase == "verify":
+                done = [pr.request for pr in group.path_requests if pr.request.request_id in scheduled
+                        and len(spec.get(pr.request.request_id, ())) == len(pr.spec_tokens)]
+                if len(done) == len(group.path_requests):
+                    plan.verify_steps.append(group.verify_plan())
+                else:
+                    plan.discard_req_ids += [r.request_id for r in done]
+                continue
             at_frontier = [r for r in group.requests()
                            if r.request_id in scheduled and r.num_computed_tokens == r.num_tokens]
-            if len(at_frontier) == len(group.beams):
-                steps.append(group.plan())
+            ready = len(at_frontier) == len(group.beams)
+            if phase == "beam" and ready:
+                plan.groups.append(group.plan())
+            else:  # not ready, or a speculative group whose beams' KV is now complete
+                plan.discard_req_ids += [r.request_id for r in at_frontier]
+                if ready:
+                    plan.started_group_ids.append(group.group_id)
+        return plan if plan.groups or plan.verify_steps or plan.discard_req_ids else None
+
+    def _plan_draft(self, out: SchedulerOutput, drafting: list[BeamGroup]) -> StepPlan:
+        scheduled = out.num_scheduled_tokens
+        plan = StepPlan([], draft=True)
+        for group in drafting:
+            parents = [r for _, r, _ in group.draft_parents()]
+            at_frontier = [r for r in parents if r.request_id in scheduled and r.num_computed_tokens == r.num_tokens]
+            if len(at_frontier) == len(parents):
+                plan.draft_steps.append(group.draft_plan())
             else:
-                discard.extend(r.request_id for r in at_frontier)
-        if not steps and not discard:
-            return None
-        return StepPlan(steps, discard)
+                plan.discard_req_ids += [r.request_id for r in at_frontier]
+        return plan
 
     # ------------------------------------------------------------------
     # Update
@@ -285,51 +401,147 @@ class DSBDScheduler(Scheduler):
         return outputs
 
     def _commit_steps(self, plan: StepPlan, result, group_outputs: dict[int, list[EngineCoreOutput]]) -> None:
-        for rid in plan.discard_req_ids:
-            self._recompute_last_token(rid)
         freed: set[Request] = set()
-        for step in plan.groups:
-            group = self.groups.get(step.group_id)
-            if group is None:  # aborted while the step ran
-                continue
-            decision = None if result is None else result.decisions.get(step.group_id)
-            if decision is None:
-                raise RuntimeError(f"the model runner returned no beam decision for group {step.group_id}")
-            effects = group.apply(decision)
-            for request in effects.frees:
-                freed.add(self._release_beam(request))
-            if group.done:  # its new beams never run: no forks
-                freed.update(self._finish_group(group, group_outputs))
-                continue
-            for fork in effects.forks:
-                fork.child.request = self._fork(group, fork.parent, fork.child.tokens[-1])
-            for request, token in effects.continues:
-                request.append_output_token_ids(token)
+        if plan.draft:
+            self._commit_draft_step(plan, result, freed)
+        else:
+            for rid in plan.discard_req_ids:
+                self._rewind(rid)
+            for gid in plan.started_group_ids:
+                if gid in self.groups:
+                    self._start_iteration(self.groups[gid], freed)
+            for step in plan.groups:
+                group = self.groups.get(step.group_id)
+                if group is not None:  # else aborted while the step ran
+                    self._carry_out(group, group.apply(_decision(result, "decisions", step.group_id)),
+                                    freed, group_outputs)
+            for step in plan.verify_steps:
+                group = self.groups.get(step.group_id)
+                if group is not None:
+                    for pr in group.path_requests:  # the target computed every path up to its root's end
+                        pr.request.num_computed_tokens = pr.request.num_tokens
+                    decision = _decision(result, "verify_decisions", step.group_id)
+                    self._observe(decision)
+                    effects = group.apply_verify(decision)
+                    self._carry_out(group, effects, freed, group_outputs)
+                    if group.group_id in self.groups:
+                        for b in group.beams:
+                            b.request.dsbd_target = b.request.num_computed_tokens
+                        self._start_iteration(group, freed, rewind=False)
         if freed:
             self.running = remove_all(self.running, freed)
+
+    def _observe(self, decision) -> None:
+        """DSBD in vLLM's spec-decode counters: a draft = one iteration (one target forward of the
+        group's forest), draft tokens = draft nodes proposed, accepted tokens = draft nodes accepted,
+        per position i = nodes accepted at depth i + 1."""
+        if self._spec_stats is None:
+            self._spec_stats = SpecDecodingStats.new(self._num_draft_layers)
+        stats = self._spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += sum(decision.num_proposed)
+        stats.num_accepted_tokens += sum(decision.num_accepted)
+        for depth, (proposed, accepted) in enumerate(zip(decision.num_proposed, decision.num_accepted)):
+            stats.num_draft_tokens_per_pos[depth] += proposed
+            stats.num_accepted_tokens_per_pos[depth] += accepted
+
+    def make_stats(self, spec_decoding_stats=None, *args, **kwargs):
+        stats, self._spec_stats = self._spec_stats, None
+        return super().make_stats(stats if stats is not None else spec_decoding_stats, *args, **kwargs)
+
+    def _commit_draft_step(self, plan: StepPlan, result, freed: set[Request]) -> None:
+        discard = set(plan.discard_req_ids)
+        participants, self._draft_participants = self._draft_participants, []
+        for r in participants:  # the draft's frontier moved (all the way, unless its group waits)
+            if not r.is_finished():
+                r.dsbd_draft = r.num_computed_tokens - (1 if r.request_id in discard else 0)
+                r.num_computed_tokens = r.dsbd_draft
+        for step in plan.draft_steps:
+            group = self.groups.get(step.group_id)
+            if group is not None:
+                self._carry_out(group, group.apply_draft(_decision(result, "draft_decisions", step.group_id)),
+                                freed, {})
+        for r in participants:  # beams wait at the target's frontier
+            if not r.is_finished() and getattr(r, "dsbd_target", None) is not None:
+                r.num_computed_tokens = r.dsbd_target
+
+    def _start_iteration(self, group: BeamGroup, freed: set[Request], rewind: bool = True) -> None:
+        """The beams' KV is complete up to their last token (``rewind``: up to the end; the last token
+        is recomputed with the forest): the next DSBD iteration starts."""
+        for b in group.beams:
+            r = b.request
+            if rewind:
+                r.num_computed_tokens = r.num_tokens - 1
+                r.dsbd_target, r.dsbd_draft = r.num_computed_tokens, 0
+            r.dsbd_draft = min(getattr(r, "dsbd_draft", None) or 0, r.dsbd_target)
+        self._carry_out(group, group.start_iteration(), freed, {})
+
+    def _carry_out(self, group: BeamGroup, effects: StepEffects, freed: set[Request],
+                   group_outputs: dict[int, list[EngineCoreOutput]]) -> None:
+        """The scheduler's part of a group's step, in order (see ``beam_group``)."""
+        if group.done:  # its new beams never run: no forks
+            freed.update(self._release_beam(op.request) for op in effects.ops if isinstance(op, Free))
+            freed.update(self._finish_group(group, group_outputs))
+            return
+        for op in effects.ops:
+            if isinstance(op, Free):
+                freed.add(self._release_beam(op.request))
+            elif isinstance(op, Fork):
+                op.child.request = self._fork(group, op.parent, op.token)
+            elif isinstance(op, Extend):
+                op.request.append_output_token_ids(op.tokens)
+                if op.computed:
+                    op.request.num_computed_tokens = op.request.num_tokens
+            elif isinstance(op, PathRequest):
+                root = op.root
+                if op.reuse_root:
+                    op.request = root
+                else:  # the target's KV of the root, up to its last token, which the path recomputes
+                    op.request = self._fork(group, root, None, num_shared=root.dsbd_target)
+                op.request.spec_token_ids = list(op.spec_tokens)
+
+    def _rewind(self, rid: str) -> None:
+        """A request computed up to its end whose group is not ready: back to its frontier to try again."""
+        request = self.requests.get(rid)
+        if request is None or request.is_finished():
+            return
+        target = getattr(request, "dsbd_target", None)
+        if target is not None:  # a speculative group's request: back to the target's frontier
+            request.num_computed_tokens = target
+        else:
+            self._recompute_last_token(rid)
 
     def _recompute_last_token(self, rid: str) -> None:
         request = self.requests.get(rid)
         if request is not None and not request.is_finished() and request.num_computed_tokens > 0:
             request.num_computed_tokens -= 1
 
-    def _fork(self, group: BeamGroup, parent: Request, token: int) -> Request:
-        """A new beam request: the parent's tokens plus ``token``, sharing the parent's KV."""
-        num_tokens = parent.num_tokens
-        if parent.num_computed_tokens != num_tokens:
-            raise RuntimeError(f"fork of {parent.request_id}: {parent.num_computed_tokens} of "
-                               f"{num_tokens} tokens computed")
-        child = self._internal_request(group.group_id, parent, list(parent.all_token_ids) + [token], None)
+    def _fork(self, group: BeamGroup, parent: Request, token: int | None, num_shared: int | None = None) -> Request:
+        """A new request: the parent's tokens plus ``token`` (if any), with the parent's KV for the
+        first ``num_shared`` tokens (default: all of them, which must be computed)."""
+        if num_shared is None:
+            num_shared = parent.num_tokens
+            if parent.num_computed_tokens != num_shared:
+                raise RuntimeError(f"fork of {parent.request_id}: {parent.num_computed_tokens} of "
+                                   f"{num_shared} tokens computed")
+        tokens = list(parent.all_token_ids) + ([] if token is None else [token])
+        child = self._internal_request(group.group_id, parent, tokens, None)
         child._block_hasher = parent._block_hasher
-        child.block_hashes = list(parent.block_hashes)  # full blocks inside the shared prefix
+        child.block_hashes = list(parent.block_hashes[: num_shared // self.block_size])
         child.update_block_hashes()
         self.requests[child.request_id] = child
-        if self._share_kv(parent, child, num_tokens):
-            child.num_computed_tokens = num_tokens
+        for attr in ("dsbd_target", "dsbd_draft"):  # the KV frontiers that come with the shared blocks
+            if getattr(parent, attr, None) is not None:
+                setattr(child, attr, min(getattr(parent, attr), num_shared))
+        if self._share_kv(parent, child, num_shared):
+            child.num_computed_tokens = num_shared
             child.status = RequestStatus.RUNNING
             self.running.insert(self.running.index(parent) + 1, child)
             self._unsent.add(child.request_id)
-        else:  # no free block for the tail copy: recompute (full blocks come from the prefix cache)
+        else:  # no free block for the tail copy: recompute
+            for attr in ("dsbd_target", "dsbd_draft"):
+                if getattr(child, attr, None) is not None:
+                    setattr(child, attr, 0)
             self.waiting.prepend_request(child)
         return child
 
@@ -378,18 +590,27 @@ class DSBDScheduler(Scheduler):
         return request
 
     def _finish_group(self, group: BeamGroup, outputs: dict[int, list[EngineCoreOutput]]) -> list[Request]:
-        """Emit the best ``n`` hypotheses under the user request ids and free everything."""
-        for uid, hyp in zip(group.user_request_ids, group.results()):
+        """Emit the best ``n`` hypotheses under the user request ids and free everything.
+
+        A group that ends with fewer than ``n`` hypotheses (possible with a dynamic
+        width) finishes its surplus user requests empty, as aborted.
+        """
+        results = group.results()
+        for k, uid in enumerate(group.user_request_ids):
             user = self.requests.get(uid)
             if user is None:
                 continue
-            user.status = (RequestStatus.FINISHED_STOPPED if hyp.finish_reason == "stop"
-                           else RequestStatus.FINISHED_LENGTH_CAPPED)
+            hyp = results[k] if k < len(results) else None
+            if hyp is None:
+                user.status = RequestStatus.FINISHED_ABORTED
+            else:
+                user.status = (RequestStatus.FINISHED_STOPPED if hyp.finish_reason == "stop"
+                               else RequestStatus.FINISHED_LENGTH_CAPPED)
             eco = EngineCoreOutput(
                 request_id=uid,
-                new_token_ids=list(hyp.tokens),
+                new_token_ids=[] if hyp is None else list(hyp.tokens),
                 finish_reason=user.get_finished_reason(),
-                new_logprobs=_logprobs_lists(hyp, user.sampling_params.logprobs),
+                new_logprobs=None if hyp is None else _logprobs_lists(hyp, user.sampling_params.logprobs),
                 events=user.take_events(),
                 trace_headers=user.trace_headers,
             )
@@ -399,8 +620,10 @@ class DSBDScheduler(Scheduler):
         return self._drop_group(group)
 
     def _drop_group(self, group: BeamGroup) -> list[Request]:
-        released = [self._release_beam(b.request) for b in group.beams if b.request is not None]
+        requests = [b.request for b in group.beams if b.request is not None] + group.extra_requests()
+        released = [self._release_beam(r) for r in requests if r.request_id in self.requests]
         self.groups.pop(group.group_id, None)
+        self._forgotten_groups.append(group.group_id)
         if group.group_id in self._admission:
             self._admission.remove(group.group_id)
         return released
@@ -431,6 +654,22 @@ class DSBDScheduler(Scheduler):
         if freed:
             self.running = remove_all(self.running, set(freed))
         return finished
+
+
+def _phase(group: BeamGroup) -> str:
+    """beam: no speculation; prefill: the target computes the beams' KV; draft / verify: a DSBD iteration."""
+    if not group.speculative:
+        return "beam"
+    if not group.in_iteration:
+        return "prefill"
+    return "draft" if group.drafting else "verify"
+
+
+def _decision(result, kind: str, group_id: str):
+    decision = None if result is None else getattr(result, kind).get(group_id)
+    if decision is None:
+        raise RuntimeError(f"the model runner returned no {kind} for beam group {group_id}")
+    return decision
 
 
 def _internal_params(user_params):

@@ -81,6 +81,8 @@ def to_beam_search_output(out, tokenizer, params: BeamSearchParams) -> BeamSearc
     prompt_ids = list(out.prompt_token_ids)
     sequences = []
     for completion in out.outputs:
+        if completion.finish_reason == "abort" and not completion.token_ids:
+            continue  # the group ended with fewer hypotheses than beams
         tokens = prompt_ids + list(completion.token_ids)
         sequences.append(BeamSearchSequence(
             orig_prompt=tokens_input(prompt_ids, prompt=out.prompt),

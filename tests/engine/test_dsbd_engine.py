@@ -1,0 +1,220 @@
+"""DSBD with speculation inside real vLLM engines on CPU: draft steps, one-pass forest verification.
+
+References: vLLM's own built-in ``LLM.beam_search`` on plain engines (temperature 0:
+lossless speculative beam search), exact enumeration of beam sampling over
+Hugging Face logits (temperature > 0, fixed width). Drafts: the tiny draft
+for the tiny EOS-prone target; a 2-layer truncation of SmolLM2 for SmolLM2
+(weak, so most layers are rejected: the tests check exactness, not speed).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.engine
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
+from exact_dist import chi2_pvalue, exact_beam_sampling  # noqa: E402
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):"]
+EOS = 2
+
+
+def _metric(llm, name) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
+
+
+def _beam_search(llm, prompts, width, max_tokens, length_penalty=1.0):
+    from vllm.sampling_params import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty)
+    return llm.beam_search([{"prompt": p} for p in prompts], params)
+
+
+def _beam_request(width, gamma, max_tokens, temperature=0.0, **kw):
+    from vllm import SamplingParams
+
+    return SamplingParams(n=width, temperature=temperature, max_tokens=max_tokens, logprobs=0,
+                          extra_args={"beam_width": width, "num_speculative_tokens": gamma, **kw.pop("extra", {})},
+                          **kw)
+
+
+@pytest.mark.parametrize("width, length_penalty", [(1, 1.0), (2, 0.5), (4, 1.0), (4, 2.0), (8, 1.0)])
+def test_lossless_speculative_beam_search_with_eos(dsbd_tiny_spec_llm, tiny_eos_llm, width, length_penalty):
+    """T = 0 with draft forests (γ = 3) and EOS: token for token vLLM's built-in beam search."""
+    want = _beam_search(tiny_eos_llm, PROMPTS, width, 10, length_penalty)
+    got = _beam_search(dsbd_tiny_spec_llm, PROMPTS, width, 10, length_penalty)
+    for w, g in zip(want, got):
+        assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
+        assert [s.cum_logprob for s in g.sequences] == pytest.approx([s.cum_logprob for s in w.sequences], abs=1e-3)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("width, gamma", [(2, 1), (4, 3), (8, 5)])
+def test_lossless_speculative_beam_search_on_smollm2(dsbd_spec_target_llm, target_llm, width, gamma):
+    """The real target: n = W best of DSBD's beam search (γ per request) equal vLLM's built-in beam search."""
+    tok = target_llm.get_tokenizer()
+    prompts = [PROMPTS[0], tok.apply_chat_template([{"role": "user", "content": "Name a colour."}],
+                                                   tokenize=False, add_generation_prompt=True)]
+    want = _beam_search(target_llm, prompts, width, 10)
+    got = dsbd_spec_target_llm.generate(prompts, _beam_request(width, gamma, 10), use_tqdm=False)
+    for w, g in zip(want, got):
+        prompt_len = len(g.prompt_token_ids)
+        assert [list(c.token_ids) for c in g.outputs] == [s.tokens[prompt_len:] for s in w.sequences]
+        assert [c.cumulative_logprob for c in g.outputs] == pytest.approx(
+            [s.cum_logprob for s in w.sequences], abs=1e-3)
+
+
+def _hf_logits_fn(path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def logits_fn(sequences):
+        return model(torch.tensor(sequences)).logits[:, -1].float()
+
+    return logits_fn
+
+
+def test_fixed_width_dsbd_is_distributed_as_beam_sampling(dsbd_tiny_spec_llm, tiny_eos_target):
+    """T > 0, fixed width, top-k on the joint: 2,000 seeded DSBD requests (γ = 2) against exact enumeration
+    of beam sampling (the distribution in-engine beam sampling is checked against too); the same samples
+    reject beam sampling with uniform parent weights (a planted bug)."""
+    prompt = "The capital of France is"
+    width, max_tokens, top_k = 2, 3, 3
+    params = [_beam_request(width, 2, max_tokens, temperature=1.0, top_k=top_k, ignore_eos=True, seed=seed,
+                            extra={"fixed_width": True}) for seed in range(2000)]
+    outs = dsbd_tiny_spec_llm.generate([prompt] * len(params), params, use_tqdm=False)
+    samples = [tuple(sorted(tuple(c.token_ids) for c in o.outputs)) for o in outs]
+    fn = _hf_logits_fn(tiny_eos_target)
+    prompt_ids = tuple(outs[0].prompt_token_ids)
+    expected = exact_beam_sampling(fn, prompt_ids, width, max_tokens, top_k=top_k, ignore_eos=True)
+    assert chi2_pvalue(samples, expected) > 1e-3
+    wrong = exact_beam_sampling(fn, prompt_ids, width, max_tokens, top_k=top_k, ignore_eos=True,
+                                uniform_parents=True)
+    assert chi2_pvalue(samples, wrong) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def self_draft_llm(tiny_eos_target):
+    """The draft is the target itself; the engine core runs in this process (its scheduler is inspected)."""
+    from vllm import LLM
+
+    from vllm_dsbd.demo import dsbd_engine_kwargs
+
+    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        llm = LLM(**{**dsbd_engine_kwargs(str(tiny_eos_target), str(tiny_eos_target), 3, 8),
+                     "disable_log_stats": False, "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20})
+    finally:
+        if previous is None:
+            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_with_the_target_as_draft_every_draft_node_is_accepted(self_draft_llm, temperature):
+    before = {k: _metric(self_draft_llm, f"vllm:spec_decode_num_{k}") for k in ("drafts", "draft_tokens",
+                                                                              "accepted_tokens")}
+    self_draft_llm.generate(PROMPTS, _beam_request(3, 3, 12, temperature=temperature, seed=0, ignore_eos=True,
+                                                   extra={"fixed_width": True}), use_tqdm=False)
+    after = {k: _metric(self_draft_llm, f"vllm:spec_decode_num_{k}") for k in before}
+    proposed, accepted = after["draft_tokens"] - before["draft_tokens"], after["accepted_tokens"] - before["accepted_tokens"]
+    iterations = after["drafts"] - before["drafts"]
+    assert proposed > 0 and accepted == proposed
+    assert iterations == 3 * 3  # 12 tokens = 4 + 4 + 4 per prompt: every iteration passes all 3 layers
+
+
+def test_memory_efficient_mode_holds_one_sequence_between_iterations(self_draft_llm):
+    """W_out = 1: whenever a group starts an iteration it owns one request and that request's KV blocks."""
+    engine = self_draft_llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    kv = scheduler.kv_cache_manager
+    engine.add_request("mem-eff", PROMPTS[1], _beam_request(1, 3, 20, temperature=1.0, seed=3, ignore_eos=True,
+                                                              extra={"beam_width": 4, "memory_efficient": True,
+                                                                     "width_threshold": 0.5}))
+    starts = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for group in scheduler.groups.values():
+            if group.in_iteration and not group.layers and not group.path_requests:
+                starts += 1
+                assert len(group.beams) == 1 and not group.extra_requests()
+                held = {b for r in scheduler.requests.values() if scheduler._beam_group.get(r.request_id)
+                        == group.group_id for b in kv.get_block_ids(r.request_id)[0]}
+                assert held == set(kv.get_block_ids(group.beams[0].request.request_id)[0])
+    assert starts >= 2
+
+
+@pytest.mark.model
+def test_speculation_gives_more_than_one_token_per_target_forward(dsbd_spec_target_llm):
+    """On the real target (its 2-layer truncation drafting): generated tokens / target forwards > 1."""
+    before = _metric(dsbd_spec_target_llm, "vllm:spec_decode_num_drafts")
+    dsbd_spec_target_llm.generate([PROMPTS[0]], _beam_request(1, 5, 40, ignore_eos=True), use_tqdm=False)
+    iterations = _metric(dsbd_spec_target_llm, "vllm:spec_decode_num_drafts") - before
+    assert 40 / iterations > 1.0
+
+
+def test_mixed_batch_speculative_beam_and_plain_requests(dsbd_tiny_spec_llm):
+    """DSBD requests (several W, γ, T), in-engine beam requests (γ = 0) and plain requests in one batch:
+    each returns what it returns when run alone."""
+    from vllm import SamplingParams
+
+    jobs = [
+        (PROMPTS[0], _beam_request(2, 3, 8)), (PROMPTS[1], _beam_request(4, 1, 8)),
+        (PROMPTS[2], _beam_request(3, 0, 6)), (PROMPTS[0], _beam_request(8, 2, 9, temperature=0.8, seed=4)),
+        (PROMPTS[1], _beam_request(1, 3, 7, temperature=1.0, seed=5, extra={"beam_width": 3,
+                                                                            "memory_efficient": True})),
+        (PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=8)),
+        (PROMPTS[0], SamplingParams(temperature=1.0, seed=7, max_tokens=8)),
+    ] * 2
+    together = dsbd_tiny_spec_llm.generate([p for p, _ in jobs], [s for _, s in jobs], use_tqdm=False)
+    for (prompt, params), out in zip(jobs, together):
+        alone = dsbd_tiny_spec_llm.generate([prompt], params, use_tqdm=False)[0]
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
+
+
+def test_no_kv_blocks_leak_after_finished_and_aborted_dsbd_requests(dsbd_tiny_spec_llm):
+    from vllm import SamplingParams
+
+    engine = dsbd_tiny_spec_llm.llm_engine
+    dsbd_tiny_spec_llm.generate(PROMPTS, _beam_request(3, 3, 30, temperature=0.9, seed=1), use_tqdm=False)
+    assert _metric(dsbd_tiny_spec_llm, "vllm:kv_cache_usage_perc") == 0.0
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"abort-spec-{i}", prompt, _beam_request(4, 3, 200, temperature=1.0, seed=i))
+    for _ in range(30):  # into draft and verify steps (stats of earlier steps may still be queued)
+        engine.step()
+        if _metric(dsbd_tiny_spec_llm, "vllm:kv_cache_usage_perc") > 0.0:
+            break
+    assert _metric(dsbd_tiny_spec_llm, "vllm:kv_cache_usage_perc") > 0.0
+    engine.abort_request([f"abort-spec-{i}" for i in range(len(PROMPTS))], internal=False)
+    dsbd_tiny_spec_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert _metric(dsbd_tiny_spec_llm, "vllm:kv_cache_usage_perc") == 0.0
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"beam_width": 9}, r"'beam_width'=9, above the engine's maximum 8"),
+    ({"beam_width": 2, "num_speculative_tokens": 4}, r"'num_speculative_tokens'=4, above the engine's maximum 3"),
+    ({"beam_width": 2, "width_threshold": 0.0}, r"'width_threshold'=0.0 is invalid"),
+    ({"beam_width": 2, "memory_efficient": True, "n": 2}, r"n=2 with DSBD knob 'memory_efficient'=True"),
+])
+def test_bad_dsbd_request_gets_a_clear_error_and_the_engine_keeps_serving(dsbd_tiny_spec_llm, extra, message):
+    from vllm import SamplingParams
+
+    extra = dict(extra)
+    n = extra.pop("n", 1)
+    with pytest.raises(ValueError, match=message):
+        dsbd_tiny_spec_llm.generate([PROMPTS[0]], SamplingParams(n=n, temperature=1.0, max_tokens=4, extra_args=extra),
+                                    use_tqdm=False)
+    ok = dsbd_tiny_spec_llm.generate([PROMPTS[0]], _beam_request(2, 3, 5), use_tqdm=False)
+    assert all(len(c.token_ids) == 5 or c.token_ids[-1] == EOS for c in ok[0].outputs)
