@@ -32,10 +32,6 @@ def _beam_search(llm, prompts, width, max_tokens, length_penalty=1.0):
     return llm.beam_search([{"prompt": p} for p in prompts], params)
 
 
-def _metric(llm, name) -> float:
-    """A metric's value summed over its labels (e.g. every finished_reason)."""
-    return sum(m.value for m in llm.get_metrics() if m.name == name)
-
 
 @pytest.mark.parametrize("width, length_penalty, max_tokens",
                          [(1, 1.0, 10), (2, 0.5, 10), (4, 1.0, 10), (4, 2.0, 10), (8, 1.0, 10), (8, 0.5, 6),
@@ -58,11 +54,11 @@ def test_eos_finishes_hypotheses_in_the_comparison(dsbd_tiny_llm):
     assert any(s.finish_reason == "length" for o in out for s in o.sequences)
 
 
-def test_llm_beam_search_goes_through_the_engine_not_the_front_end_loop(dsbd_tiny_llm):
+def test_llm_beam_search_goes_through_the_engine_not_the_front_end_loop(engine_metric, dsbd_tiny_llm):
     """One engine request per returned hypothesis, not one per beam per step."""
-    before = _metric(dsbd_tiny_llm, "vllm:request_success")
+    before = engine_metric(dsbd_tiny_llm, "vllm:request_success")
     _beam_search(dsbd_tiny_llm, PROMPTS[:1], 4, 8)
-    assert _metric(dsbd_tiny_llm, "vllm:request_success") - before == 4
+    assert engine_metric(dsbd_tiny_llm, "vllm:request_success") - before == 4
 
 
 def test_generate_returns_n_best_hypotheses_of_a_beam_request(dsbd_tiny_llm):
@@ -145,28 +141,30 @@ def test_mixed_concurrent_requests_all_complete_correctly(dsbd_tiny_llm):
         assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
 
 
-def test_no_kv_blocks_leak_after_finished_and_aborted_requests(dsbd_tiny_llm):
+def test_no_kv_blocks_leak_after_finished_and_aborted_requests(engine_metric, dsbd_tiny_llm):
     """KV usage returns to zero after beam groups finish, and after they are aborted mid-generation."""
     from vllm import SamplingParams
 
     engine = dsbd_tiny_llm.llm_engine
     dsbd_tiny_llm.generate(PROMPTS, SamplingParams(n=2, temperature=0.0, max_tokens=40,
                                                    extra_args={"beam_width": 8}), use_tqdm=False)
-    assert _metric(dsbd_tiny_llm, "vllm:kv_cache_usage_perc") == 0.0
+    assert engine_metric(dsbd_tiny_llm, "vllm:kv_cache_usage_perc") == 0.0
 
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"abort-{i}", prompt, SamplingParams(n=3, temperature=1.0, max_tokens=200, seed=i,
                                                                  extra_args={"beam_width": 6}))
-    for _ in range(30):  # stats of earlier steps may still be queued
-        engine.step()
-        if _metric(dsbd_tiny_llm, "vllm:kv_cache_usage_perc") > 0.0:
-            break
-    assert _metric(dsbd_tiny_llm, "vllm:kv_cache_usage_perc") > 0.0
-    engine.abort_request([f"abort-{i}" for i in range(len(PROMPTS))], internal=False)
+    try:
+        for _ in range(30):  # stats of earlier steps may still be queued
+            engine.step()
+            if engine_metric(dsbd_tiny_llm, "vllm:kv_cache_usage_perc") > 0.0:
+                break
+        assert engine_metric(dsbd_tiny_llm, "vllm:kv_cache_usage_perc") > 0.0
+    finally:  # never leave requests behind for the tests sharing this engine
+        engine.abort_request([f"abort-{i}" for i in range(len(PROMPTS))], internal=False)
     assert not engine.has_unfinished_requests()
     # A plain request afterwards runs the engine past the aborts; its stats come after its own free.
     dsbd_tiny_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1), use_tqdm=False)
-    assert _metric(dsbd_tiny_llm, "vllm:kv_cache_usage_perc") == 0.0
+    assert engine_metric(dsbd_tiny_llm, "vllm:kv_cache_usage_perc") == 0.0
 
 
 @pytest.mark.parametrize(
@@ -206,7 +204,7 @@ def test_beam_search_equals_vllm_builtin_on_smollm2(dsbd_target_llm, target_llm,
     assert not math.isnan(got[0].sequences[0].cum_logprob)
 
 
-def test_beam_groups_survive_kv_pressure_with_preemption(dsbd_tiny_llm, tiny_eos_target):
+def test_beam_groups_survive_kv_pressure_with_preemption(engine_metric, dsbd_tiny_llm, tiny_eos_target):
     """A DSBD engine with room for ~48 KV blocks, beam groups mixed with plain requests: vLLM preempts
     (beams included), groups are preempted whole and recomputed, and every output equals the output
     of the same request on a roomy engine."""
@@ -224,7 +222,7 @@ def test_beam_groups_survive_kv_pressure_with_preemption(dsbd_tiny_llm, tiny_eos
                                                     extra_args={"beam_width": 4})))
             jobs += [(p, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)) for p in PROMPTS[:2]]
         got = tight.generate([p for p, _ in jobs], [s for _, s in jobs], use_tqdm=False)
-        preemptions = _metric(tight, "vllm:num_preemptions")
+        preemptions = engine_metric(tight, "vllm:num_preemptions")
     finally:
         tight.llm_engine.engine_core.shutdown()
     want = dsbd_tiny_llm.generate([p for p, _ in jobs], [s for _, s in jobs], use_tqdm=False)

@@ -25,9 +25,6 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):"]
 EOS = 2
 
 
-def _metric(llm, name) -> float:
-    return sum(m.value for m in llm.get_metrics() if m.name == name)
-
 
 def _beam_search(llm, prompts, width, max_tokens, length_penalty=1.0):
     from vllm.sampling_params import BeamSearchParams
@@ -123,16 +120,20 @@ def self_draft_llm(tiny_eos_target):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_with_the_target_as_draft_every_draft_node_is_accepted(self_draft_llm, temperature):
-    before = {k: _metric(self_draft_llm, f"vllm:spec_decode_num_{k}") for k in ("drafts", "draft_tokens",
+def test_with_the_target_as_draft_every_draft_node_is_accepted(engine_metric, self_draft_llm, temperature):
+    before = {k: engine_metric(self_draft_llm, f"vllm:spec_decode_num_{k}") for k in ("drafts", "draft_tokens",
                                                                               "accepted_tokens")}
     self_draft_llm.generate(PROMPTS, _beam_request(3, 3, 12, temperature=temperature, seed=0, ignore_eos=True,
                                                    extra={"fixed_width": True}), use_tqdm=False)
-    after = {k: _metric(self_draft_llm, f"vllm:spec_decode_num_{k}") for k in before}
+    after = {k: engine_metric(self_draft_llm, f"vllm:spec_decode_num_{k}") for k in before}
     proposed, accepted = after["draft_tokens"] - before["draft_tokens"], after["accepted_tokens"] - before["accepted_tokens"]
     iterations = after["drafts"] - before["drafts"]
     assert proposed > 0 and accepted == proposed
     assert iterations == 3 * 3  # 12 tokens = 4 + 4 + 4 per prompt: every iteration passes all 3 layers
+    # The public API reads the same counters (this module's engine is the last one started, so it owns
+    # vLLM's process-global Prometheus registry).
+    public = sum(m.value for m in self_draft_llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
+    assert public == after["drafts"]
 
 
 def test_memory_efficient_mode_holds_one_sequence_between_iterations(self_draft_llm):
@@ -157,11 +158,11 @@ def test_memory_efficient_mode_holds_one_sequence_between_iterations(self_draft_
 
 
 @pytest.mark.model
-def test_speculation_gives_more_than_one_token_per_target_forward(dsbd_spec_target_llm):
+def test_speculation_gives_more_than_one_token_per_target_forward(engine_metric, dsbd_spec_target_llm):
     """On the real target (its 2-layer truncation drafting): generated tokens / target forwards > 1."""
-    before = _metric(dsbd_spec_target_llm, "vllm:spec_decode_num_drafts")
+    before = engine_metric(dsbd_spec_target_llm, "vllm:spec_decode_num_drafts")
     dsbd_spec_target_llm.generate([PROMPTS[0]], _beam_request(1, 5, 40, ignore_eos=True), use_tqdm=False)
-    iterations = _metric(dsbd_spec_target_llm, "vllm:spec_decode_num_drafts") - before
+    iterations = engine_metric(dsbd_spec_target_llm, "vllm:spec_decode_num_drafts") - before
     assert 40 / iterations > 1.0
 
 
@@ -184,22 +185,25 @@ def test_mixed_batch_speculative_beam_and_plain_requests(dsbd_tiny_spec_llm):
         assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
 
 
-def test_no_kv_blocks_leak_after_finished_and_aborted_dsbd_requests(dsbd_tiny_spec_llm):
+def test_no_kv_blocks_leak_after_finished_and_aborted_dsbd_requests(engine_metric, dsbd_tiny_spec_llm):
     from vllm import SamplingParams
 
     engine = dsbd_tiny_spec_llm.llm_engine
     dsbd_tiny_spec_llm.generate(PROMPTS, _beam_request(3, 3, 30, temperature=0.9, seed=1), use_tqdm=False)
-    assert _metric(dsbd_tiny_spec_llm, "vllm:kv_cache_usage_perc") == 0.0
+    assert engine_metric(dsbd_tiny_spec_llm, "vllm:kv_cache_usage_perc") == 0.0
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"abort-spec-{i}", prompt, _beam_request(4, 3, 200, temperature=1.0, seed=i))
-    for _ in range(30):  # into draft and verify steps (stats of earlier steps may still be queued)
-        engine.step()
-        if _metric(dsbd_tiny_spec_llm, "vllm:kv_cache_usage_perc") > 0.0:
-            break
-    assert _metric(dsbd_tiny_spec_llm, "vllm:kv_cache_usage_perc") > 0.0
-    engine.abort_request([f"abort-spec-{i}" for i in range(len(PROMPTS))], internal=False)
+    try:
+        for _ in range(30):  # into draft and verify steps (stats of earlier steps may still be queued)
+            engine.step()
+            if engine_metric(dsbd_tiny_spec_llm, "vllm:kv_cache_usage_perc") > 0.0:
+                break
+        assert engine_metric(dsbd_tiny_spec_llm, "vllm:kv_cache_usage_perc") > 0.0
+    finally:  # never leave requests behind for the tests sharing this engine
+        engine.abort_request([f"abort-spec-{i}" for i in range(len(PROMPTS))], internal=False)
+    assert not engine.has_unfinished_requests()
     dsbd_tiny_spec_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1), use_tqdm=False)
-    assert _metric(dsbd_tiny_spec_llm, "vllm:kv_cache_usage_perc") == 0.0
+    assert engine_metric(dsbd_tiny_spec_llm, "vllm:kv_cache_usage_perc") == 0.0
 
 
 @pytest.mark.parametrize("extra, message", [

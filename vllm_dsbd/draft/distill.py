@@ -2,13 +2,14 @@
 
 Stages (``--stage``; ``all`` runs them in order, each resumable):
 
-1. ``teach``: the target answers training prompts at T=1; its top-k
-   next-token log-probs are stored per generated position (``teacher.py``).
+1. ``teach``: the target, in a vLLM engine, answers training prompts at T=1;
+   its top-k next-token log-probs are stored per generated position, in
+   shards, until they hold ``--tokens`` answer tokens (``teacher.py``).
 2. ``train``: the student learns from the stored distributions
    (``train.py``); checkpoints every ``--ckpt-every`` rounds and resumes from
    the latest. Round ``r`` trains on a fixed window of shards, waiting for a
-   shard if the ``teach`` stage (possibly separate processes) has not written
-   it yet, so the result does not depend on timing.
+   shard the ``teach`` stage (which may run at the same time, in another
+   process) has not written yet, so the result does not depend on timing.
 3. ``export``: writes the shippable draft (non-embedding weights, config,
    provenance) into ``--out``.
 

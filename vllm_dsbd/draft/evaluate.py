@@ -28,17 +28,19 @@ from vllm_dsbd.draft.prompts import EVAL_PROMPTS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from vllm_dsbd.draft import DEFAULT_DIR
-
     p.add_argument("--draft", default=None,
-                   help="assembled draft checkpoint (default: the shipped draft, assembled by `models prepare`)")
+                   help="draft checkpoint, or a `distill-draft --out` directory (assembled here with the target); "
+                        "default: the shipped draft, assembled by `models prepare`")
     p.add_argument("--target", default=None, help="target checkpoint (default: the prepared SmolLM2)")
-    p.add_argument("--out", default=str(DEFAULT_DIR / "eval.json"), help="result file")
+    p.add_argument("--out", default=None,
+                   help="result file (default: eval.json in --draft, or the shipped draft's "
+                        "vllm_dsbd/draft/default/eval.json)")
     p.add_argument("--num-prompts", type=int, default=len(EVAL_PROMPTS))
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cost-repeats", type=int, default=60, help="timed forwards of each model")
-    p.add_argument("--threads", type=int, default=None, help="torch threads for HF forwards (default: torch's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads, for the in-process vLLM sampling and the HF forwards (default: torch's)")
     p.add_argument("--cache-dir", default=None)
 
 
@@ -139,10 +141,14 @@ def cost_ratio(target, draft, repeats: int = 30, warmup: int = 3) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from vllm_dsbd import models
-    from vllm_dsbd.draft import distill
+    from vllm_dsbd.draft import DEFAULT_DIR, distill, student
 
     target_dir = Path(args.target) if args.target else models.prepare_target(args.cache_dir)
     draft_dir = Path(args.draft) if args.draft else models.prepare(args.cache_dir).draft
+    out = Path(args.out) if args.out else (Path(args.draft) if args.draft else DEFAULT_DIR) / "eval.json"
+    if (draft_dir / student.CONFIG).exists():  # shippable weights only: assemble with the target
+        draft_dir = models.cache_root(args.cache_dir) / "eval-drafts" / draft_dir.resolve().name
+        student.assemble(Path(args.draft), target_dir, draft_dir)
     if args.threads:
         import torch
 
@@ -167,6 +173,6 @@ def run(args: argparse.Namespace) -> int:
         "eval_seconds": round(time.time() - t0, 1),
     })
     result = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
-    distill.write_json(Path(args.out), result)
+    distill.write_json(out, result)
     print(json.dumps(result, indent=1))
     return 0

@@ -6,7 +6,7 @@ bucket for the rest of the vocabulary):
     KL = sum_{v in top-k} p_v (log p_v - log q_v) + p_rest (log p_rest - log q_rest)
 
 Schedule: round ``r`` trains on the sequences of shards ``r - window + 1 .. r``
-(each shard is seen ``window`` times, in three different rounds), shuffled
+(each shard is seen ``window`` times, in consecutive rounds), shuffled
 with a seeded RNG and cut into batches of about ``batch_tokens`` answer
 tokens. Training stops after the round whose shard brings the teacher data to
 ``tokens`` answer tokens. AdamW, linear warm-up, cosine decay to 10 % over
@@ -18,7 +18,6 @@ resumes from any checkpoint to the same result.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import sys
