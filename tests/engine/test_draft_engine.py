@@ -16,10 +16,10 @@ PROMPTS = [
 
 # Regression floors on the 3 fixed held-out prompts (prompts.TEST_PROMPTS, up
 # to 48 sampled tokens each, seed 0: 122 positions), set below what the shipped
-# draft measured there: alpha_t1 0.319 / greedy 0.238 (a layer-truncated,
-# untrained draft gets about 0.07 / 0.05).
-ALPHA_T1_FLOOR = 0.2
-GREEDY_FLOOR = 0.15
+# draft measured there: alpha_t1 0.343 / greedy 0.262 (the first shipped draft:
+# 0.319 / 0.238; a layer-truncated, untrained draft gets about 0.07 / 0.05).
+ALPHA_T1_FLOOR = 0.25
+GREEDY_FLOOR = 0.18
 
 
 def _chat(llm, text: str) -> str:
