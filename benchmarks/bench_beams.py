@@ -21,13 +21,13 @@ Writes ``beams.json`` and ``beams.png`` into ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
 from benchmarks.machine import machine_facts
 from benchmarks.run import load_prompts
+from benchmarks.scripts import add_prompt_args, write_result
 from vllm_dsbd import models
 
 
@@ -128,19 +128,13 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=None, help="target checkpoint (default: the prepared SmolLM2)")
+    add_prompt_args(parser)
     parser.add_argument("--widths", default="2,4,8")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--num-prompts", type=int, default=4)
-    parser.add_argument("--prompts-file", default="benchmarks/prompts/prompts.json")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/beams")
     args = parser.parse_args()
     result = run(args)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "beams.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, out / "beams.png")
+    write_result(result, out, "beams", plot)
     for r in result["results"]:
         extra = f"  speedup vs built-in {r['speedup_vs_builtin']:.1f}x" if "speedup_vs_builtin" in r else ""
         print(f"{r['method']:28s} W={r['width']}  {r['wall_s']:7.2f} s{extra}")

@@ -88,11 +88,15 @@ def skip_reason(m: Method, settings: Settings) -> str | None:
 # ---------------------------------------------------------------------------
 
 
-def _vllm_counters(llm) -> dict[str, float]:
+def _vllm_counters(llm, dsbd: bool = False, speculative: bool = False) -> dict[str, float]:
     """Cumulative counters from ``llm.get_metrics()``, summed over engines.
 
     ``engine_steps`` counts engine iterations (``vllm:iteration_tokens_total``
-    observations); each runs one target forward pass.
+    observations); each runs one target forward pass. On a DSBD engine that
+    histogram misses beam groups (they emit output only when they finish) and
+    draft steps are engine steps too, so ``engine_steps`` is the DSBD
+    iterations there (``vllm:spec_decode_num_drafts``: one target forward of a
+    group each) and absent (not observable) without speculation.
     """
     from vllm.v1.metrics.reader import Counter, Histogram
 
@@ -104,6 +108,10 @@ def _vllm_counters(llm) -> dict[str, float]:
             out["spec_drafts"] += m.value
         elif m.name == "vllm:spec_decode_num_accepted_tokens" and isinstance(m, Counter):
             out["spec_accepted_tokens"] += m.value
+    if dsbd:
+        del out["engine_steps"]
+        if speculative:
+            out["engine_steps"] = out["spec_drafts"]
     return out
 
 
@@ -123,9 +131,11 @@ def _vllm_engine(settings: Settings, **overrides) -> Iterator[tuple[Any, Probes]
     from vllm import LLM
 
     llm = LLM(**engine_kwargs(settings.target), disable_log_stats=False, **overrides)
+    spec = overrides.get("speculative_config") or {}
     try:
         yield llm, Probes(
-            counters=lambda: _vllm_counters(llm),
+            counters=lambda: _vllm_counters(llm, dsbd=spec.get("method") == "dsbd",
+                                            speculative=spec.get("num_speculative_tokens", 0) > 0),
             kv_usage=lambda: _vllm_kv_usage(llm),
             num_kv_blocks=llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
         )
@@ -322,6 +332,8 @@ method("dsbd-engine-beam-search", backend="vllm-dsbd-beams",
        description="vllm-dsbd in-engine beam search (γ=0, T=0)")(_dsbd(False))
 method("dsbd-engine-beam-sampling", backend="vllm-dsbd-beams",
        description="vllm-dsbd in-engine beam sampling (γ=0, T)")(_dsbd(True))
+method("dsbd-search", backend="vllm-dsbd", needs_draft=True,
+       description="DSBD speculative beam search (γ, T=0: lossless)")(_dsbd(False))
 for _name, _description, _make in (
     ("dsbd-fixed", "DSBD, fixed width W (T)", _dsbd_speculative(fixed_width=True)),
     ("dsbd-dynamic", "DSBD, dynamic width (τ, T)", _dsbd_speculative()),

@@ -1,0 +1,154 @@
+"""DSBD against in-engine beam decoding, draft depth γ side by side.
+
+    .venv/bin/python -m benchmarks.bench_dsbd                        # W 4, γ 0-4, 4 prompts x 64 tokens
+    .venv/bin/python -m benchmarks.bench_dsbd --gammas 0,1,2 --temperatures 1 --out /tmp/dsbd
+
+One DSBD engine drafting with the default draft (or ``--draft``) serves every
+row, in one process, on the same chat prompts
+(``benchmarks/prompts/prompts.json``): γ = 0 is in-engine beam decoding
+without speculation (the baseline), γ >= 1 is DSBD with that many draft
+layers per iteration, with a fixed width and with a dynamic width (τ). Each
+temperature runs beam search (T = 0; DSBD must return the baseline's tokens,
+which the script checks and records) or beam sampling (T > 0, seeded).
+``ignore_eos`` keeps every output at ``max_tokens`` tokens. Every row is
+warmed up on a short run first; the timed runs process the prompts as one
+batch. Besides wall time, each row records from the engine's own counters
+(``llm.get_metrics()``) its DSBD iterations, i.e. target forwards per group,
+and the draft nodes proposed and accepted; ``tokens_per_target_forward`` is
+the output tokens of a beam group divided by its iterations.
+
+Writes ``dsbd.json`` and ``dsbd.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from benchmarks.machine import machine_facts
+from benchmarks.run import load_prompts
+from benchmarks.scripts import add_prompt_args, write_result
+from vllm_dsbd import models
+
+COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")
+
+
+def _counters(llm) -> dict[str, float]:
+    values = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    return {k: values.get(f"vllm:spec_decode_num_{k}", 0.0) for k in COUNTERS}
+
+
+def run(args: argparse.Namespace) -> dict:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from vllm_dsbd.demo import dsbd_engine_kwargs
+
+    pair = models.prepare() if not (args.target and args.draft) else None
+    target = args.target or str(pair.target)
+    draft = args.draft or str(pair.draft)
+    gammas = [int(g) for g in args.gammas.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompts = load_prompts(Path(args.prompts_file), args.num_prompts, tokenizer)
+    inputs = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
+    llm = LLM(**dsbd_engine_kwargs(target, draft, max(max(gammas), 1), args.width), disable_log_stats=False)
+
+    def decode(gamma, temperature, fixed, max_tokens):
+        extra = {"beam_width": args.width, "num_speculative_tokens": gamma, "width_threshold": args.tau}
+        if fixed:
+            extra["fixed_width"] = True
+        params = SamplingParams(n=args.width, temperature=temperature, seed=args.seed, max_tokens=max_tokens,
+                                ignore_eos=True, extra_args=extra)
+        return llm.generate(inputs, params, use_tqdm=False)
+
+    rows = []
+    for temperature in temperatures:
+        base_secs = base_tokens = None
+        for gamma in gammas:
+            for fixed in ([True] if gamma == 0 or temperature == 0 else [True, False]):
+                name = "in-engine" if gamma == 0 else ("dsbd-fixed" if fixed else "dsbd-dynamic")
+                decode(gamma, temperature, fixed, 4)  # warm-up
+                before = _counters(llm)
+                start = time.perf_counter()
+                out = decode(gamma, temperature, fixed, args.max_tokens)
+                secs = time.perf_counter() - start
+                after = _counters(llm)
+                tokens = [[list(c.token_ids) for c in o.outputs] for o in out]
+                row = {"method": name, "gamma": gamma, "temperature": temperature, "wall_s": secs,
+                       **{k: after[k] - before[k] for k in COUNTERS}}
+                if gamma == 0:
+                    base_secs, base_tokens = secs, tokens
+                else:
+                    row["speedup_vs_in_engine"] = base_secs / secs
+                    row["tokens_per_target_forward"] = len(inputs) * args.max_tokens / max(row["drafts"], 1)
+                    row["node_acceptance"] = row["accepted_tokens"] / max(row["draft_tokens"], 1)
+                    if temperature == 0:
+                        row["same_tokens_as_in_engine"] = tokens == base_tokens
+                rows.append(row)
+                print(f"[dsbd] T={temperature} γ={gamma} {name} {secs:.2f} s "
+                      + " ".join(f"{k}={v:.3g}" for k, v in row.items() if k in (
+                          "speedup_vs_in_engine", "tokens_per_target_forward", "node_acceptance")), flush=True)
+    llm.llm_engine.engine_core.shutdown()
+    return {
+        "benchmark": "bench_dsbd",
+        "settings": {"target": target, "draft": draft, "width": args.width, "gammas": gammas,
+                     "temperatures": temperatures, "width_threshold": args.tau, "max_tokens": args.max_tokens,
+                     "num_prompts": len(prompts), "prompt_ids": [p.id for p in prompts], "batch": "all prompts",
+                     "ignore_eos": True, "seed": args.seed, "dtype": "float32", "block_size": 32},
+        "machine": machine_facts(),
+        "results": rows,
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = result["settings"]
+    fig, axes = plt.subplots(1, len(s["temperatures"]), figsize=(5 * len(s["temperatures"]), 4), squeeze=False)
+    for ax, temperature in zip(axes[0], s["temperatures"]):
+        rows = [r for r in result["results"] if r["temperature"] == temperature]
+        for name, marker in (("dsbd-fixed", "o"), ("dsbd-dynamic", "s")):
+            pts = [(r["gamma"], r["speedup_vs_in_engine"]) for r in rows if r["method"] == name]
+            if pts:
+                ax.plot(*zip(*pts), marker=marker, label=name)
+        ax.axhline(1.0, color="gray", ls="--", lw=1, label="in-engine beam decoding (γ = 0)")
+        ax.set_xlabel("γ (draft layers per iteration)")
+        ax.set_ylabel("speedup vs in-engine (wall time)")
+        ax.set_title(f"T={temperature}, W={s['width']}, {s['num_prompts']} prompts x {s['max_tokens']} tokens, "
+                     f"{result['machine']['cpu']}", fontsize=8)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_prompt_args(parser)
+    parser.add_argument("--draft", default=None, help="draft checkpoint (default: the prepared default draft)")
+    parser.add_argument("--width", type=int, default=4)
+    parser.add_argument("--gammas", default="0,1,2,3,4", help="0 (the baseline) must come first")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--tau", type=float, default=0.7, help="width_threshold of the dynamic rows")
+    parser.add_argument("--out", default="benchmarks/results/dsbd")
+    args = parser.parse_args()
+    if not args.gammas.startswith("0"):
+        parser.error("--gammas must start with 0: in-engine beam decoding is the baseline of every row")
+    result = run(args)
+    out = Path(args.out)
+    write_result(result, out, "dsbd", plot)
+    for r in result["results"]:
+        extra = "".join(f"  {k} {r[k]:.2f}" for k in ("speedup_vs_in_engine", "tokens_per_target_forward")
+                        if k in r)
+        print(f"T={r['temperature']} γ={r['gamma']} {r['method']:14s} {r['wall_s']:7.2f} s{extra}")
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()

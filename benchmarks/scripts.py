@@ -1,0 +1,24 @@
+"""What the side-by-side engine scripts (``bench_beams``, ``bench_dsbd``) share: prompts and output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Callable
+
+
+def add_prompt_args(parser: argparse.ArgumentParser, max_tokens: int = 64, num_prompts: int = 4) -> None:
+    """``--target``, ``--max-tokens``, ``--num-prompts``, ``--prompts-file``, ``--seed``."""
+    parser.add_argument("--target", default=None, help="target checkpoint (default: the prepared SmolLM2)")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--prompts-file", default="benchmarks/prompts/prompts.json")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def write_result(result: dict, out: Path, name: str, plot: Callable[[dict, Path], None]) -> None:
+    """``out/name.json`` and ``out/name.png``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, out / f"{name}.png")
