@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--cache-dir", default=None)
     d.add_argument("--beam-width", type=int, default=4)
     d.add_argument("--max-tokens", type=int, default=32)
-    d.add_argument("--num-speculative-tokens", type=int, default=4, help="DSBD draft depth γ")
+    d.add_argument("--num-speculative-tokens", type=int, default=1,
+                   help="DSBD draft depth γ (1: the fastest with the shipped draft on a CPU, benchmarks/results/dsbd)")
     d.add_argument("--no-draft", action="store_true", help="skip the DSBD rows")
     d.set_defaults(func=_cmd_demo)
 
