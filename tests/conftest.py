@@ -123,25 +123,6 @@ def dsbd_target_llm(target_path):
     del llm
 
 
-@pytest.fixture(scope="session")
-def truncated_draft(target_path) -> Path:
-    """The default target's first 2 layers (+ its embedding and head): a weak draft with its vocabulary,
-    for correctness tests of DSBD on the real target."""
-    source = {"base": target_path.name, "base_manifest": models._sha256(target_path / models.MANIFEST), "layers": 2}
-
-    def build(out: Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32)
-        model.model.layers = model.model.layers[:2]
-        model.config.num_hidden_layers = 2
-        model.save_pretrained(out)
-        AutoTokenizer.from_pretrained(target_path).save_pretrained(out)
-
-    return models._build_atomically(models.cache_root() / "smollm2-135m-instruct-truncated2", source, build)
-
-
 def dsbd_spec_engine_kwargs(model: str, draft: str, num_speculative_tokens: int, **overrides) -> dict:
     """A speculative DSBD engine (W <= 8), stats on."""
     from vllm_dsbd.demo import dsbd_engine_kwargs
@@ -161,11 +142,11 @@ def dsbd_tiny_spec_llm(tiny_eos_target, tiny_pair):
 
 
 @pytest.fixture(scope="session")
-def dsbd_spec_target_llm(target_path, truncated_draft):
-    """DSBD with speculation on the default SmolLM2 target, drafting with its 2-layer truncation (γ <= 5)."""
+def dsbd_spec_target_llm(target_path):
+    """DSBD with speculation on the default pair: SmolLM2 drafted by the shipped draft (γ <= 5)."""
     from vllm import LLM
 
-    llm = LLM(**dsbd_spec_engine_kwargs(str(target_path), str(truncated_draft), 5))
+    llm = LLM(**dsbd_spec_engine_kwargs(str(target_path), str(models.prepare().draft), 5))
     yield llm
     del llm
 
