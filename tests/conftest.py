@@ -150,36 +150,3 @@ def dsbd_spec_target_llm(target_path):
     yield llm
     del llm
 
-
-def _engine_metric(llm, name: str) -> float:
-    """``name`` summed over its labels, read from ``llm``'s own Prometheus collectors.
-
-    ``llm.get_metrics()`` reads vLLM's process-global Prometheus registry, and
-    every new engine unregisters the collectors of the previous ones: with
-    session-scoped engines it would read whichever engine started last.
-    """
-    from prometheus_client.metrics import MetricWrapperBase
-    from vllm.v1.metrics.loggers import PrometheusStatLogger
-
-    (prom,) = [lg for lg in llm.llm_engine.logger_manager.stat_loggers if isinstance(lg, PrometheusStatLogger)]
-    total, seen, todo = 0.0, set(), [prom]
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, MetricWrapperBase):
-            total += sum(s.value for m in obj.collect() for s in m.samples if s.name in (name, name + "_total"))
-        elif isinstance(obj, dict):
-            todo.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            todo.extend(obj)
-        elif type(obj).__module__.startswith("vllm.v1.") and hasattr(obj, "__dict__"):  # metric holders, not configs
-            todo.extend(vars(obj).values())
-    return total
-
-
-@pytest.fixture(scope="session")
-def engine_metric():
-    """``engine_metric(llm, name)``: a metric of that engine (see ``_engine_metric``)."""
-    return _engine_metric

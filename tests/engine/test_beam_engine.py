@@ -10,27 +10,13 @@ candidates appear and finished hypotheses and the length penalty matter.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
-import torch
+from beam_checks import (  # tests/engine/beam_checks.py
+    EOS, PROMPTS, assert_distributed_as_beam_sampling, assert_kv_freed_after_finish_and_abort,
+    beam_search, engine_metric)
 
 pytestmark = pytest.mark.engine
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-from exact_dist import chi2_pvalue, exact_beam_sampling  # noqa: E402
-
-PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):"]
-EOS = 2
-
-
-def _beam_search(llm, prompts, width, max_tokens, length_penalty=1.0):
-    from vllm.sampling_params import BeamSearchParams
-
-    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty)
-    return llm.beam_search([{"prompt": p} for p in prompts], params)
-
 
 
 @pytest.mark.parametrize("width, length_penalty, max_tokens",
@@ -38,8 +24,8 @@ def _beam_search(llm, prompts, width, max_tokens, length_penalty=1.0):
                           (4, 1.0, 1), (2, 1.0, 2)])
 def test_beam_search_equals_vllm_builtin_with_eos(dsbd_tiny_llm, tiny_eos_llm, width, length_penalty, max_tokens):
     """T = 0: token for token (and cumulative log-prob) what vLLM's built-in beam search returns."""
-    want = _beam_search(tiny_eos_llm, PROMPTS, width, max_tokens, length_penalty)
-    got = _beam_search(dsbd_tiny_llm, PROMPTS, width, max_tokens, length_penalty)
+    want = beam_search(tiny_eos_llm, PROMPTS, width, max_tokens, length_penalty)
+    got = beam_search(dsbd_tiny_llm, PROMPTS, width, max_tokens, length_penalty)
     for w, g in zip(want, got):
         assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
         assert [s.cum_logprob for s in g.sequences] == pytest.approx([s.cum_logprob for s in w.sequences], abs=1e-3)
@@ -48,16 +34,16 @@ def test_beam_search_equals_vllm_builtin_with_eos(dsbd_tiny_llm, tiny_eos_llm, w
 
 def test_eos_finishes_hypotheses_in_the_comparison(dsbd_tiny_llm):
     """The EOS-prone model does produce finished hypotheses, so the comparison above covers them."""
-    out = _beam_search(dsbd_tiny_llm, PROMPTS, 8, 10)
+    out = beam_search(dsbd_tiny_llm, PROMPTS, 8, 10)
     finished = [s for o in out for s in o.sequences if s.tokens[-1] == EOS]
     assert finished and all(s.finish_reason == "stop" for s in finished)
     assert any(s.finish_reason == "length" for o in out for s in o.sequences)
 
 
-def test_llm_beam_search_goes_through_the_engine_not_the_front_end_loop(engine_metric, dsbd_tiny_llm):
+def test_llm_beam_search_goes_through_the_engine_not_the_front_end_loop(dsbd_tiny_llm):
     """One engine request per returned hypothesis, not one per beam per step."""
     before = engine_metric(dsbd_tiny_llm, "vllm:request_success")
-    _beam_search(dsbd_tiny_llm, PROMPTS[:1], 4, 8)
+    beam_search(dsbd_tiny_llm, PROMPTS[:1], 4, 8)
     assert engine_metric(dsbd_tiny_llm, "vllm:request_success") - before == 4
 
 
@@ -67,23 +53,11 @@ def test_generate_returns_n_best_hypotheses_of_a_beam_request(dsbd_tiny_llm):
 
     params = SamplingParams(n=2, temperature=0.0, max_tokens=8, logprobs=0, extra_args={"beam_width": 4})
     (out,) = dsbd_tiny_llm.generate([PROMPTS[1]], params, use_tqdm=False)
-    (full,) = _beam_search(dsbd_tiny_llm, [PROMPTS[1]], 4, 8)
+    (full,) = beam_search(dsbd_tiny_llm, [PROMPTS[1]], 4, 8)
     prompt_len = len(out.prompt_token_ids)
     assert [list(c.token_ids) for c in out.outputs] == [s.tokens[prompt_len:] for s in full.sequences[:2]]
     for c in out.outputs:
         assert c.cumulative_logprob == pytest.approx(sum(next(iter(d.values())).logprob for d in c.logprobs))
-
-
-def _hf_logits_fn(path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-    @torch.no_grad()
-    def logits_fn(sequences):
-        return model(torch.tensor(sequences)).logits[:, -1].float()
-
-    return logits_fn
 
 
 def test_beam_sampling_is_distributed_as_exact_beam_sampling(dsbd_tiny_llm, tiny_eos_target):
@@ -96,15 +70,7 @@ def test_beam_sampling_is_distributed_as_exact_beam_sampling(dsbd_tiny_llm, tiny
     params = [SamplingParams(n=width, temperature=1.0, top_k=top_k, max_tokens=max_tokens, ignore_eos=True,
                              seed=seed, extra_args={"beam_width": width}) for seed in range(2000)]
     outs = dsbd_tiny_llm.generate([prompt] * len(params), params, use_tqdm=False)
-    samples = [tuple(sorted(tuple(c.token_ids) for c in o.outputs)) for o in outs]
-
-    fn = _hf_logits_fn(tiny_eos_target)
-    prompt_ids = tuple(outs[0].prompt_token_ids)
-    expected = exact_beam_sampling(fn, prompt_ids, width, max_tokens, top_k=top_k, ignore_eos=True)
-    assert chi2_pvalue(samples, expected) > 1e-3
-    wrong = exact_beam_sampling(fn, prompt_ids, width, max_tokens, top_k=top_k, ignore_eos=True,
-                                uniform_parents=True)
-    assert chi2_pvalue(samples, wrong) < 1e-3
+    assert_distributed_as_beam_sampling(outs, tiny_eos_target, width, max_tokens, top_k)
 
 
 def test_seeded_beam_sampling_is_reproducible(dsbd_tiny_llm):
@@ -141,30 +107,14 @@ def test_mixed_concurrent_requests_all_complete_correctly(dsbd_tiny_llm):
         assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
 
 
-def test_no_kv_blocks_leak_after_finished_and_aborted_requests(engine_metric, dsbd_tiny_llm):
+def test_no_kv_blocks_leak_after_finished_and_aborted_requests(dsbd_tiny_llm):
     """KV usage returns to zero after beam groups finish, and after they are aborted mid-generation."""
     from vllm import SamplingParams
 
-    engine = dsbd_tiny_llm.llm_engine
-    dsbd_tiny_llm.generate(PROMPTS, SamplingParams(n=2, temperature=0.0, max_tokens=40,
-                                                   extra_args={"beam_width": 8}), use_tqdm=False)
-    assert engine_metric(dsbd_tiny_llm, "vllm:kv_cache_usage_perc") == 0.0
-
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"abort-{i}", prompt, SamplingParams(n=3, temperature=1.0, max_tokens=200, seed=i,
-                                                                 extra_args={"beam_width": 6}))
-    try:
-        for _ in range(30):  # stats of earlier steps may still be queued
-            engine.step()
-            if engine_metric(dsbd_tiny_llm, "vllm:kv_cache_usage_perc") > 0.0:
-                break
-        assert engine_metric(dsbd_tiny_llm, "vllm:kv_cache_usage_perc") > 0.0
-    finally:  # never leave requests behind for the tests sharing this engine
-        engine.abort_request([f"abort-{i}" for i in range(len(PROMPTS))], internal=False)
-    assert not engine.has_unfinished_requests()
-    # A plain request afterwards runs the engine past the aborts; its stats come after its own free.
-    dsbd_tiny_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1), use_tqdm=False)
-    assert engine_metric(dsbd_tiny_llm, "vllm:kv_cache_usage_perc") == 0.0
+    assert_kv_freed_after_finish_and_abort(
+        dsbd_tiny_llm, SamplingParams(n=2, temperature=0.0, max_tokens=40, extra_args={"beam_width": 8}),
+        lambda i: SamplingParams(n=3, temperature=1.0, max_tokens=200, seed=i, extra_args={"beam_width": 6}),
+        "abort")
 
 
 @pytest.mark.parametrize(
@@ -196,15 +146,15 @@ def test_beam_search_equals_vllm_builtin_on_smollm2(dsbd_target_llm, target_llm,
     tok = target_llm.get_tokenizer()
     prompts = [PROMPTS[0], tok.apply_chat_template([{"role": "user", "content": "Name a colour."}],
                                                    tokenize=False, add_generation_prompt=True)]
-    want = _beam_search(target_llm, prompts, width, 12)
-    got = _beam_search(dsbd_target_llm, prompts, width, 12)
+    want = beam_search(target_llm, prompts, width, 12)
+    got = beam_search(dsbd_target_llm, prompts, width, 12)
     for w, g in zip(want, got):
         assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
         assert [s.cum_logprob for s in g.sequences] == pytest.approx([s.cum_logprob for s in w.sequences], abs=1e-3)
     assert not math.isnan(got[0].sequences[0].cum_logprob)
 
 
-def test_beam_groups_survive_kv_pressure_with_preemption(engine_metric, dsbd_tiny_llm, tiny_eos_target):
+def test_beam_groups_survive_kv_pressure_with_preemption(dsbd_tiny_llm, tiny_eos_target):
     """A DSBD engine with room for ~48 KV blocks, beam groups mixed with plain requests: vLLM preempts
     (beams included), groups are preempted whole and recomputed, and every output equals the output
     of the same request on a roomy engine."""

@@ -11,27 +11,13 @@ layers are rejected: the tests check exactness, not speed).
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
-import torch
+from beam_checks import (  # tests/engine/beam_checks.py
+    EOS, PROMPTS, assert_distributed_as_beam_sampling, assert_kv_freed_after_finish_and_abort,
+    beam_search, engine_metric)
 
 pytestmark = pytest.mark.engine
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-from exact_dist import chi2_pvalue, exact_beam_sampling  # noqa: E402
-
-PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):"]
-EOS = 2
-
-
-
-def _beam_search(llm, prompts, width, max_tokens, length_penalty=1.0):
-    from vllm.sampling_params import BeamSearchParams
-
-    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty)
-    return llm.beam_search([{"prompt": p} for p in prompts], params)
 
 
 def _beam_request(width, gamma, max_tokens, temperature=0.0, **kw):
@@ -45,8 +31,8 @@ def _beam_request(width, gamma, max_tokens, temperature=0.0, **kw):
 @pytest.mark.parametrize("width, length_penalty", [(1, 1.0), (2, 0.5), (4, 1.0), (4, 2.0), (8, 1.0)])
 def test_lossless_speculative_beam_search_with_eos(dsbd_tiny_spec_llm, tiny_eos_llm, width, length_penalty):
     """T = 0 with draft forests (γ = 3) and EOS: token for token vLLM's built-in beam search."""
-    want = _beam_search(tiny_eos_llm, PROMPTS, width, 10, length_penalty)
-    got = _beam_search(dsbd_tiny_spec_llm, PROMPTS, width, 10, length_penalty)
+    want = beam_search(tiny_eos_llm, PROMPTS, width, 10, length_penalty)
+    got = beam_search(dsbd_tiny_spec_llm, PROMPTS, width, 10, length_penalty)
     for w, g in zip(want, got):
         assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
         assert [s.cum_logprob for s in g.sequences] == pytest.approx([s.cum_logprob for s in w.sequences], abs=1e-3)
@@ -59,25 +45,13 @@ def test_lossless_speculative_beam_search_on_smollm2(dsbd_spec_target_llm, targe
     tok = target_llm.get_tokenizer()
     prompts = [PROMPTS[0], PROMPTS[2], tok.apply_chat_template([{"role": "user", "content": "Name a colour."}],
                                                                tokenize=False, add_generation_prompt=True)]
-    want = _beam_search(target_llm, prompts, width, 10)
+    want = beam_search(target_llm, prompts, width, 10)
     got = dsbd_spec_target_llm.generate(prompts, _beam_request(width, gamma, 10), use_tqdm=False)
     for w, g in zip(want, got):
         prompt_len = len(g.prompt_token_ids)
         assert [list(c.token_ids) for c in g.outputs] == [s.tokens[prompt_len:] for s in w.sequences]
         assert [c.cumulative_logprob for c in g.outputs] == pytest.approx(
             [s.cum_logprob for s in w.sequences], abs=1e-3)
-
-
-def _hf_logits_fn(path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-    @torch.no_grad()
-    def logits_fn(sequences):
-        return model(torch.tensor(sequences)).logits[:, -1].float()
-
-    return logits_fn
 
 
 def test_fixed_width_dsbd_is_distributed_as_beam_sampling(dsbd_tiny_spec_llm, tiny_eos_target):
@@ -89,14 +63,7 @@ def test_fixed_width_dsbd_is_distributed_as_beam_sampling(dsbd_tiny_spec_llm, ti
     params = [_beam_request(width, 2, max_tokens, temperature=1.0, top_k=top_k, ignore_eos=True, seed=seed,
                             extra={"fixed_width": True}) for seed in range(2000)]
     outs = dsbd_tiny_spec_llm.generate([prompt] * len(params), params, use_tqdm=False)
-    samples = [tuple(sorted(tuple(c.token_ids) for c in o.outputs)) for o in outs]
-    fn = _hf_logits_fn(tiny_eos_target)
-    prompt_ids = tuple(outs[0].prompt_token_ids)
-    expected = exact_beam_sampling(fn, prompt_ids, width, max_tokens, top_k=top_k, ignore_eos=True)
-    assert chi2_pvalue(samples, expected) > 1e-3
-    wrong = exact_beam_sampling(fn, prompt_ids, width, max_tokens, top_k=top_k, ignore_eos=True,
-                                uniform_parents=True)
-    assert chi2_pvalue(samples, wrong) < 1e-3
+    assert_distributed_as_beam_sampling(outs, tiny_eos_target, width, max_tokens, top_k)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +88,7 @@ def self_draft_llm(tiny_eos_target):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_with_the_target_as_draft_every_draft_node_is_accepted(engine_metric, self_draft_llm, temperature):
+def test_with_the_target_as_draft_every_draft_node_is_accepted(self_draft_llm, temperature):
     before = {k: engine_metric(self_draft_llm, f"vllm:spec_decode_num_{k}") for k in ("drafts", "draft_tokens",
                                                                               "accepted_tokens")}
     self_draft_llm.generate(PROMPTS, _beam_request(3, 3, 12, temperature=temperature, seed=0, ignore_eos=True,
@@ -159,7 +126,7 @@ def test_memory_efficient_mode_holds_one_sequence_between_iterations(self_draft_
 
 
 @pytest.mark.model
-def test_speculation_gives_more_than_one_token_per_target_forward(engine_metric, dsbd_spec_target_llm):
+def test_speculation_gives_more_than_one_token_per_target_forward(dsbd_spec_target_llm):
     """On the default pair: generated tokens / target forwards > 1."""
     before = engine_metric(dsbd_spec_target_llm, "vllm:spec_decode_num_drafts")
     dsbd_spec_target_llm.generate([PROMPTS[0]], _beam_request(1, 5, 40, ignore_eos=True), use_tqdm=False)
@@ -186,25 +153,11 @@ def test_mixed_batch_speculative_beam_and_plain_requests(dsbd_tiny_spec_llm):
         assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
 
 
-def test_no_kv_blocks_leak_after_finished_and_aborted_dsbd_requests(engine_metric, dsbd_tiny_spec_llm):
-    from vllm import SamplingParams
-
-    engine = dsbd_tiny_spec_llm.llm_engine
-    dsbd_tiny_spec_llm.generate(PROMPTS, _beam_request(3, 3, 30, temperature=0.9, seed=1), use_tqdm=False)
-    assert engine_metric(dsbd_tiny_spec_llm, "vllm:kv_cache_usage_perc") == 0.0
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"abort-spec-{i}", prompt, _beam_request(4, 3, 200, temperature=1.0, seed=i))
-    try:
-        for _ in range(30):  # into draft and verify steps (stats of earlier steps may still be queued)
-            engine.step()
-            if engine_metric(dsbd_tiny_spec_llm, "vllm:kv_cache_usage_perc") > 0.0:
-                break
-        assert engine_metric(dsbd_tiny_spec_llm, "vllm:kv_cache_usage_perc") > 0.0
-    finally:  # never leave requests behind for the tests sharing this engine
-        engine.abort_request([f"abort-spec-{i}" for i in range(len(PROMPTS))], internal=False)
-    assert not engine.has_unfinished_requests()
-    dsbd_tiny_spec_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1), use_tqdm=False)
-    assert engine_metric(dsbd_tiny_spec_llm, "vllm:kv_cache_usage_perc") == 0.0
+def test_no_kv_blocks_leak_after_finished_and_aborted_dsbd_requests(dsbd_tiny_spec_llm):
+    """KV usage returns to zero after DSBD groups finish, and after they are aborted mid-generation."""
+    assert_kv_freed_after_finish_and_abort(  # the aborted ones are stopped in draft and verify steps
+        dsbd_tiny_spec_llm, _beam_request(3, 3, 30, temperature=0.9, seed=1),
+        lambda i: _beam_request(4, 3, 200, temperature=1.0, seed=i), "abort-spec")
 
 
 @pytest.mark.parametrize("extra, message", [

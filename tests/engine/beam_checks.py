@@ -1,0 +1,101 @@
+"""What the in-engine beam tests and the DSBD engine tests share: prompts, references, checks."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
+from exact_dist import chi2_pvalue, exact_beam_sampling  # noqa: E402
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):"]
+EOS = 2
+
+
+def engine_metric(llm, name: str) -> float:
+    """``name`` summed over its labels, read from ``llm``'s own Prometheus collectors.
+
+    ``llm.get_metrics()`` reads vLLM's process-global Prometheus registry, and
+    every new engine unregisters the collectors of the previous ones: with
+    session-scoped engines it would read whichever engine started last.
+    """
+    from prometheus_client.metrics import MetricWrapperBase
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    (prom,) = [lg for lg in llm.llm_engine.logger_manager.stat_loggers if isinstance(lg, PrometheusStatLogger)]
+    total, seen, todo = 0.0, set(), [prom]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, MetricWrapperBase):
+            total += sum(s.value for m in obj.collect() for s in m.samples if s.name in (name, name + "_total"))
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+        elif type(obj).__module__.startswith("vllm.v1.") and hasattr(obj, "__dict__"):  # metric holders, not configs
+            todo.extend(vars(obj).values())
+    return total
+
+
+
+def beam_search(llm, prompts, width, max_tokens, length_penalty=1.0):
+    """``llm.beam_search`` (vLLM's front-end loop on a plain engine, the engine's on a DSBD engine)."""
+    from vllm.sampling_params import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty)
+    return llm.beam_search([{"prompt": p} for p in prompts], params)
+
+
+def _hf_logits_fn(path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def logits_fn(sequences):
+        return model(torch.tensor(sequences)).logits[:, -1].float()
+
+    return logits_fn
+
+
+def assert_distributed_as_beam_sampling(outs, target_path, width, max_tokens, top_k) -> None:
+    """The sets of returned sequences (ignore_eos, T = 1) follow exact beam sampling (chi-square, p > 1e-3),
+    and the same samples reject beam sampling with uniform parent weights (a planted bug)."""
+    samples = [tuple(sorted(tuple(c.token_ids) for c in o.outputs)) for o in outs]
+    fn = _hf_logits_fn(target_path)
+    prompt_ids = tuple(outs[0].prompt_token_ids)
+    expected = exact_beam_sampling(fn, prompt_ids, width, max_tokens, top_k=top_k, ignore_eos=True)
+    assert chi2_pvalue(samples, expected) > 1e-3
+    wrong = exact_beam_sampling(fn, prompt_ids, width, max_tokens, top_k=top_k, ignore_eos=True,
+                                uniform_parents=True)
+    assert chi2_pvalue(samples, wrong) < 1e-3
+
+
+def assert_kv_freed_after_finish_and_abort(llm, finished_params, aborted_params, prefix: str) -> None:
+    """KV usage is 0 after ``finished_params`` ran on every prompt, and after requests made from
+    ``aborted_params(i)`` held KV and were aborted mid-generation."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    llm.generate(PROMPTS, finished_params, use_tqdm=False)
+    assert engine_metric(llm, "vllm:kv_cache_usage_perc") == 0.0
+    ids = [f"{prefix}-{i}" for i in range(len(PROMPTS))]
+    for i, (rid, prompt) in enumerate(zip(ids, PROMPTS)):
+        engine.add_request(rid, prompt, aborted_params(i))
+    try:
+        for _ in range(30):  # stats of earlier steps may still be queued
+            engine.step()
+            if engine_metric(llm, "vllm:kv_cache_usage_perc") > 0.0:
+                break
+        assert engine_metric(llm, "vllm:kv_cache_usage_perc") > 0.0
+    finally:  # never leave requests behind for the tests sharing this engine
+        engine.abort_request(ids, internal=False)
+    assert not engine.has_unfinished_requests()
+    # A plain request afterwards runs the engine past the aborts; its stats come after its own free.
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert engine_metric(llm, "vllm:kv_cache_usage_perc") == 0.0
