@@ -14,8 +14,9 @@ which the script checks and records) or beam sampling (T > 0, seeded).
 warmed up on a short run first; the timed runs process the prompts as one
 batch. Besides wall time, each row records from the engine's own counters
 (``llm.get_metrics()``) its DSBD iterations, i.e. target forwards per group,
-and the draft nodes proposed and accepted; ``tokens_per_target_forward`` is
-the output tokens of a beam group divided by its iterations.
+the draft nodes proposed and accepted, and the beam layers produced and
+their widths: ``tokens_per_target_forward`` (beam layers per iteration) and
+``mean_beam_width`` are the engine's ``vllm:dsbd_*`` metrics.
 
 Writes ``dsbd.json`` and ``dsbd.png`` into ``--out``.
 """
@@ -32,12 +33,14 @@ from benchmarks.run import load_prompts
 from benchmarks.scripts import add_prompt_args, write_result
 from vllm_dsbd import models
 
-COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")
+COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+            "accepted_tokens": "vllm:spec_decode_num_accepted_tokens", "beam_layers": "vllm:dsbd_beam_layers",
+            "beam_width_sum": "vllm:dsbd_beam_width_sum"}
 
 
 def _counters(llm) -> dict[str, float]:
     values = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
-    return {k: values.get(f"vllm:spec_decode_num_{k}", 0.0) for k in COUNTERS}
+    return {k: values.get(name, 0.0) for k, name in COUNTERS.items()}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -84,14 +87,16 @@ def run(args: argparse.Namespace) -> dict:
                     base_secs, base_tokens = secs, tokens
                 else:
                     row["speedup_vs_in_engine"] = base_secs / secs
-                    row["tokens_per_target_forward"] = len(inputs) * args.max_tokens / max(row["drafts"], 1)
+                    row["tokens_per_target_forward"] = row["beam_layers"] / max(row["drafts"], 1)
+                    row["mean_beam_width"] = row["beam_width_sum"] / max(row["beam_layers"], 1)
                     row["node_acceptance"] = row["accepted_tokens"] / max(row["draft_tokens"], 1)
                     if temperature == 0:
                         row["same_tokens_as_in_engine"] = tokens == base_tokens
                 rows.append(row)
                 print(f"[dsbd] T={temperature} γ={gamma} {name} {secs:.2f} s "
                       + " ".join(f"{k}={v:.3g}" for k, v in row.items() if k in (
-                          "speedup_vs_in_engine", "tokens_per_target_forward", "node_acceptance")), flush=True)
+                          "speedup_vs_in_engine", "tokens_per_target_forward", "mean_beam_width",
+                          "node_acceptance")), flush=True)
     llm.llm_engine.engine_core.shutdown()
     return {
         "benchmark": "bench_dsbd",
@@ -144,8 +149,8 @@ def main() -> None:
     out = Path(args.out)
     write_result(result, out, "dsbd", plot)
     for r in result["results"]:
-        extra = "".join(f"  {k} {r[k]:.2f}" for k in ("speedup_vs_in_engine", "tokens_per_target_forward")
-                        if k in r)
+        extra = "".join(f"  {k} {r[k]:.2f}" for k in ("speedup_vs_in_engine", "tokens_per_target_forward",
+                                                      "mean_beam_width") if k in r)
         print(f"T={r['temperature']} γ={r['gamma']} {r['method']:14s} {r['wall_s']:7.2f} s{extra}")
     print(f"written to {out}")
 

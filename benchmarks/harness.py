@@ -288,6 +288,10 @@ def summarize(run: MethodRun) -> dict:
         "mean_accepted_tokens_per_draft": (
             run.counters["spec_accepted_tokens"] / drafts if drafts else None
         ),
+        "mean_beam_width": (  # DSBD: beams per beam layer produced (vllm:dsbd_* metrics)
+            run.counters["dsbd_beam_width_sum"] / run.counters["dsbd_beam_layers"]
+            if run.counters.get("dsbd_beam_layers") else None
+        ),
         "peak_rss_mib": run.peak_rss_bytes / 2**20 if run.peak_rss_bytes is not None else None,
         "peak_kv_usage": run.peak_kv_usage,
         "peak_kv_blocks": peak_blocks,

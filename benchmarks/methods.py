@@ -100,14 +100,16 @@ def _vllm_counters(llm, dsbd: bool = False, speculative: bool = False) -> dict[s
     """
     from vllm.v1.metrics.reader import Counter, Histogram
 
-    out = {"engine_steps": 0.0, "spec_drafts": 0.0, "spec_accepted_tokens": 0.0}
+    counters = {"vllm:spec_decode_num_drafts": "spec_drafts",
+                "vllm:spec_decode_num_accepted_tokens": "spec_accepted_tokens"}
+    if dsbd and speculative:
+        counters.update({"vllm:dsbd_beam_layers": "dsbd_beam_layers", "vllm:dsbd_beam_width_sum": "dsbd_beam_width_sum"})
+    out = {"engine_steps": 0.0, **{key: 0.0 for key in counters.values()}}
     for m in llm.get_metrics():
         if m.name == "vllm:iteration_tokens_total" and isinstance(m, Histogram):
             out["engine_steps"] += m.count
-        elif m.name == "vllm:spec_decode_num_drafts" and isinstance(m, Counter):
-            out["spec_drafts"] += m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens" and isinstance(m, Counter):
-            out["spec_accepted_tokens"] += m.value
+        elif m.name in counters and isinstance(m, Counter):
+            out[counters[m.name]] += m.value
     if dsbd:
         del out["engine_steps"]
         if speculative:

@@ -19,6 +19,7 @@ _COLUMNS = (
     ("p90 s", "latency_p90_s", "{:.2f}"),
     ("fwd/tok", "target_forwards_per_output_token", "{:.2f}"),
     ("acc/draft", "mean_accepted_tokens_per_draft", "{:.2f}"),
+    ("width", "mean_beam_width", "{:.2f}"),
     ("peak RSS MiB", "peak_rss_mib", "{:.0f}"),
     ("peak KV blocks", "peak_kv_blocks", "{:d}"),
     ("logprob/tok", "mean_logprob_per_token", "{:.3f}"),
@@ -48,7 +49,8 @@ def markdown_table(result: dict) -> str:
         "warm-up excluded",
         f"- quality: {result['scoring']}",
         "- output tokens: of the best returned sequence, up to its first EOS; fwd/tok: vLLM engine "
-        "steps (one target forward each) per output token; acc/draft: accepted draft tokens per draft",
+        "steps (one target forward each) per output token; acc/draft: accepted draft tokens per draft; "
+        "width: DSBD's mean beam width (`vllm:dsbd_beam_width_sum` / `vllm:dsbd_beam_layers`)",
         "- peak RSS: this process and its children (vLLM's engine core), sampled every 0.1 s; "
         "peak KV blocks: `vllm:kv_cache_usage_perc` sampled every 0.1 s x the engine's block count "
         "(LLM.beam_search runs one-token requests that can finish between samples)",

@@ -39,6 +39,21 @@ def test_upstream_method_literal_still_has_draft_model_and_not_dsbd():
     assert {"draft_model", "ngram", "eagle", "custom_class"} <= upstream
 
 
+def test_prometheus_logger_builds_dsbd_spec_decoding_metrics_and_nothing_else_reads_their_carrier():
+    """Patch 10's premise: vLLM's front end reads SpecDecodingStats.num_draft_tokens_per_pos nowhere."""
+    import pathlib
+
+    import vllm
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    from vllm_dsbd.engine.metrics import DSBDSpecDecodingProm
+
+    assert PrometheusStatLogger._spec_decoding_cls is DSBDSpecDecodingProm
+    root = pathlib.Path(vllm.__file__).parent
+    users = sorted(str(f.relative_to(root)) for f in root.rglob("*.py") if "num_draft_tokens_per_pos" in f.read_text())
+    assert users == ["v1/spec_decode/metrics.py"]
+
+
 def test_speculative_config_accepts_dsbd_method():
     from vllm.config.speculative import SpeculativeConfig
 

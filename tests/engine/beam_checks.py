@@ -37,7 +37,8 @@ def engine_metric(llm, name: str) -> float:
             todo.extend(obj.values())
         elif isinstance(obj, (list, tuple)):
             todo.extend(obj)
-        elif type(obj).__module__.startswith("vllm.v1.") and hasattr(obj, "__dict__"):  # metric holders, not configs
+        elif type(obj).__module__.startswith(("vllm.v1.", "vllm_dsbd.engine.metrics")) and hasattr(obj, "__dict__"):
+            # metric holders, not configs
             todo.extend(vars(obj).values())
     return total
 

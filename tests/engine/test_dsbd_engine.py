@@ -89,19 +89,25 @@ def self_draft_llm(tiny_eos_target):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_with_the_target_as_draft_every_draft_node_is_accepted(self_draft_llm, temperature):
-    before = {k: engine_metric(self_draft_llm, f"vllm:spec_decode_num_{k}") for k in ("drafts", "draft_tokens",
-                                                                              "accepted_tokens")}
+    names = {k: f"vllm:spec_decode_num_{k}" for k in ("drafts", "draft_tokens", "accepted_tokens")}
+    names.update({k: f"vllm:dsbd_{k}" for k in ("beam_layers", "beam_width_sum")})
+    before = {k: engine_metric(self_draft_llm, name) for k, name in names.items()}
     self_draft_llm.generate(PROMPTS, _beam_request(3, 3, 12, temperature=temperature, seed=0, ignore_eos=True,
                                                    extra={"fixed_width": True}), use_tqdm=False)
-    after = {k: engine_metric(self_draft_llm, f"vllm:spec_decode_num_{k}") for k in before}
+    after = {k: engine_metric(self_draft_llm, name) for k, name in names.items()}
     proposed, accepted = after["draft_tokens"] - before["draft_tokens"], after["accepted_tokens"] - before["accepted_tokens"]
     iterations = after["drafts"] - before["drafts"]
     assert proposed > 0 and accepted == proposed
     assert iterations == 3 * 3  # 12 tokens = 4 + 4 + 4 per prompt: every iteration passes all 3 layers
+    assert after["beam_layers"] - before["beam_layers"] == 3 * 12
+    assert after["beam_width_sum"] - before["beam_width_sum"] == 3 * 12 * 3  # every layer holds W = 3 beams
     # The public API reads the same counters (this module's engine is the last one started, so it owns
     # vLLM's process-global Prometheus registry).
-    public = sum(m.value for m in self_draft_llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
-    assert public == after["drafts"]
+    public = {m.name: m.value for m in self_draft_llm.get_metrics() if m.name.startswith(("vllm:spec_decode_num_drafts",
+                                                                                          "vllm:dsbd_"))}
+    assert public["vllm:spec_decode_num_drafts"] == after["drafts"]
+    assert public["vllm:dsbd_tokens_per_target_forward"] == pytest.approx(after["beam_layers"] / after["drafts"])
+    assert public["vllm:dsbd_mean_beam_width"] == pytest.approx(after["beam_width_sum"] / after["beam_layers"])
 
 
 def test_memory_efficient_mode_holds_one_sequence_between_iterations(self_draft_llm):
@@ -127,11 +133,32 @@ def test_memory_efficient_mode_holds_one_sequence_between_iterations(self_draft_
 
 @pytest.mark.model
 def test_speculation_gives_more_than_one_token_per_target_forward(dsbd_spec_target_llm):
-    """On the default pair: generated tokens / target forwards > 1."""
-    before = engine_metric(dsbd_spec_target_llm, "vllm:spec_decode_num_drafts")
+    """On the default pair: generated tokens / target forwards > 1, as the engine's metrics report it
+    (the engine core runs in its own process: the counts cross vLLM's serialization)."""
+    names = ("vllm:spec_decode_num_drafts", "vllm:dsbd_beam_layers", "vllm:dsbd_beam_width_sum")
+    before = [engine_metric(dsbd_spec_target_llm, name) for name in names]
     dsbd_spec_target_llm.generate([PROMPTS[0]], _beam_request(1, 5, 40, ignore_eos=True), use_tqdm=False)
-    iterations = engine_metric(dsbd_spec_target_llm, "vllm:spec_decode_num_drafts") - before
-    assert 40 / iterations > 1.0
+    iterations, layers, widths = (engine_metric(dsbd_spec_target_llm, name) - b for name, b in zip(names, before))
+    assert layers == widths == 40  # one beam, 40 tokens
+    assert layers / iterations > 1.0
+
+
+def test_mean_beam_width_metric_is_w_with_fixed_width_and_less_with_dynamic_width(dsbd_tiny_spec_llm):
+    names = ("vllm:spec_decode_num_drafts", "vllm:dsbd_beam_layers", "vllm:dsbd_beam_width_sum")
+
+    def run(extra, n=4):
+        before = [engine_metric(dsbd_tiny_spec_llm, name) for name in names]
+        dsbd_tiny_spec_llm.generate(PROMPTS, _beam_request(n, 3, 12, temperature=1.0, seed=0, ignore_eos=True,
+                                                           extra={"beam_width": 4, **extra}), use_tqdm=False)
+        return [engine_metric(dsbd_tiny_spec_llm, name) - b for name, b in zip(names, before)]
+
+    iterations, layers, widths = run({"fixed_width": True})
+    assert layers == 12 * len(PROMPTS) and widths == 4 * layers
+    assert 1 <= layers / iterations <= 4
+    iterations, layers, widths = run({"width_threshold": 0.9, "min_width": 1})
+    assert layers == 12 * len(PROMPTS) and layers <= widths < 4 * layers
+    iterations, layers, widths = run({"width_threshold": 0.9, "memory_efficient": True}, n=1)
+    assert layers == 12 * len(PROMPTS) and layers <= widths < 4 * layers
 
 
 def test_mixed_batch_speculative_beam_and_plain_requests(dsbd_tiny_spec_llm):

@@ -44,6 +44,18 @@ UPSTREAM_SHA256 = {
     "vllm.entrypoints.cli.main.main": (
         "a061e992b31c90884fb2c624d652464e98c78b81a7d5aded0d1e64ee73bc0061"
     ),
+    "vllm.v1.metrics.loggers.PrometheusStatLogger.__init__": (
+        "5c8762320d3946c6d937621b8fad25afd6b961167a7ab8cfae8c32ac00feab9e"
+    ),
+    "vllm.v1.spec_decode.metrics.SpecDecodingProm.__init__": (
+        "19394ee2fea8a587f8b300ef15c44eb839cd587e2d2b19be83ff3dddcf4b1b4e"
+    ),
+    "vllm.v1.spec_decode.metrics.SpecDecodingProm.observe": (
+        "04f9e651e9a19fcf27f4d179f4c811b2374e883c9ffcf27da8716e9f1a8c488c"
+    ),
+    "vllm.v1.spec_decode.metrics.SpecDecodingLogging.observe": (
+        "81efa930a8a0d2709ad67cb76af606c41c9730ff79b487275dc1dd6b72c98819"
+    ),
     "vllm.entrypoints.generate.beam_search.online.BeamSearchOnlineMixin.beam_search": (
         "e2e6d1893a8f2c1d8109f31994a108c5ecc88752a7129d3d68be27ac0a49091d"
     ),
@@ -526,6 +538,29 @@ def _online_beam_search_through_engine() -> None:
 
 
 # ---------------------------------------------------------------------------
+# Patch 10 — DSBD's mean beam width and output tokens per target forward in
+# vLLM's Prometheus metrics (llm.get_metrics(), /metrics).
+#   target:  vllm.v1.metrics.loggers.PrometheusStatLogger._spec_decoding_cls
+#            (the SpecDecodingProm class its __init__ instantiates)
+#   why:     SpecDecodingStats has no slot for them, extra fields of a
+#            subclass do not survive msgspec to the front end, and stat-logger
+#            plugins load in AsyncLLM only (not offline LLM).
+#   how:     the scheduler appends the two counts to
+#            SpecDecodingStats.num_draft_tokens_per_pos (declared, read by no
+#            vLLM consumer); a SpecDecodingProm subclass that behaves as
+#            upstream on other engines registers and feeds the DSBD metrics
+#            (vllm_dsbd.engine.metrics).
+#   remove-when: vLLM lets a speculative method add its own metrics.
+# ---------------------------------------------------------------------------
+def _dsbd_spec_decoding_metrics() -> None:
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    from vllm_dsbd.engine.metrics import DSBDSpecDecodingProm
+
+    PrometheusStatLogger._spec_decoding_cls = DSBDSpecDecodingProm
+
+
+# ---------------------------------------------------------------------------
 # Workaround (not in PATCHES; applied by `vllm-dsbd serve` only) — vLLM's CLI
 # on the CPU build.
 #   target:  importlib.metadata.version, as called by
@@ -568,6 +603,7 @@ PATCHES = (
     _greedy_beam_requests,
     _beam_search_through_engine,
     _online_beam_search_through_engine,
+    _dsbd_spec_decoding_metrics,
 )
 
 

@@ -69,6 +69,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from vllm_dsbd.config import DSBDConfig
+from vllm_dsbd.engine import metrics
 from vllm_dsbd.engine import requests as beam_requests
 from vllm_dsbd.engine.beam_group import BeamGroup, Extend, Fork, Free, Hypothesis, PathRequest, StepEffects
 from vllm_dsbd.engine.protocol import PLAN_ATTR, RESULT_ATTR, StepPlan
@@ -434,9 +435,10 @@ class DSBDScheduler(Scheduler):
     def _observe(self, decision) -> None:
         """DSBD in vLLM's spec-decode counters: a draft = one iteration (one target forward of the
         group's forest), draft tokens = draft nodes proposed, accepted tokens = draft nodes accepted,
-        per position i = nodes accepted at depth i + 1."""
+        per position i = nodes accepted at depth i + 1; plus the beam layers produced and their widths
+        (vllm_dsbd.engine.metrics)."""
         if self._spec_stats is None:
-            self._spec_stats = SpecDecodingStats.new(self._num_draft_layers)
+            self._spec_stats = metrics.new_stats(self._num_draft_layers)
         stats = self._spec_stats
         stats.num_drafts += 1
         stats.num_draft_tokens += sum(decision.num_proposed)
@@ -444,6 +446,7 @@ class DSBDScheduler(Scheduler):
         for depth, (proposed, accepted) in enumerate(zip(decision.num_proposed, decision.num_accepted)):
             stats.num_draft_tokens_per_pos[depth] += proposed
             stats.num_accepted_tokens_per_pos[depth] += accepted
+        metrics.observe_layers(stats, decision.widths)
 
     def make_stats(self, spec_decoding_stats=None, *args, **kwargs):
         stats, self._spec_stats = self._spec_stats, None

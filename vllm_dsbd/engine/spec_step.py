@@ -159,9 +159,9 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
                        float(res.out_score[0, s]))
             (finished if ends(c.token) else beams).append(c)
         verified = min(passed + 1, num_layers)
-        accepted = res.accepted[0].sum(-1).tolist()[:verified]
-        return VerifyDecision(vs.group_id, passed, beams, finished, proposed[:verified], accepted,
-                              res.widths[0].tolist()[:verified])
+        accepted = res.accepted[0].sum(-1).tolist()
+        widths = accepted[:passed] + [int(res.out_count[0])]  # a passed layer holds its w_i accepted nodes
+        return VerifyDecision(vs.group_id, passed, beams, finished, proposed[:verified], accepted[:verified], widths)
 
     res = verify_forest_greedy(
         raw.reshape(1, num_layers + 1, width, vocab), root_scores, root_valid, parents, tokens, exists,
@@ -180,7 +180,8 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
                                       res.out_cum_logprob[0].tolist(), res.out_valid[0].tolist()) if ok]
     verified = min(passed + 1, num_layers)
     accepted = [proposed[i] if i < passed else 0 for i in range(verified)]
-    return VerifyDecision(vs.group_id, passed, beams, finished, proposed[:verified], accepted, [])
+    widths = proposed[:passed] + [len(beams) + int(res.finished_valid[0, passed].sum())]
+    return VerifyDecision(vs.group_id, passed, beams, finished, proposed[:verified], accepted, widths)
 
 
 def _path_logprobs(raw: Tensor, parent_node: int, token: int, vs: VerifyStep, width: int,
