@@ -206,16 +206,12 @@ class BeamGroup:
         return [(slot, n.request, n.score) for slot, n in enumerate(self.layers[-1]) if n.request is not None]
 
     def draft_plan(self) -> DraftStep:
-        p = self.params
         parents = self.draft_parents()
         return DraftStep(
-            group_id=self.group_id, layer=len(self.layers) + 1,
+            **self.decoding(), layer=len(self.layers) + 1,
             req_ids=tuple(r.request_id for _, r, _ in parents), slots=tuple(s for s, _, _ in parents),
             scores=tuple(score for _, _, score in parents),
             seq_len=self.prompt_len + self.num_generated + len(self.layers),
-            beam_width=p.beam_width, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-            length_penalty=p.length_penalty, ignore_eos=p.ignore_eos, eos_token_id=p.eos_token_id,
-            seed=p.seed, step=self.step,
         )
 
     def apply_draft(self, decision: DraftDecision) -> StepEffects:
@@ -283,18 +279,16 @@ class BeamGroup:
         parents, tokens, exists = self._forest()
         num_roots = len(self.beams)
         return VerifyStep(
-            group_id=self.group_id,
+            **self.decoding(),
             path_req_ids=tuple(pr.request.request_id for pr in self.path_requests),
             paths=tuple(self.paths),
             root_scores=tuple(b.score for b in self.beams) + (float("-inf"),) * (width - num_roots),
             root_valid=(True,) * num_roots + (False,) * (width - num_roots),
             draft_parents=tuple(map(tuple, parents)), draft_tokens=tuple(map(tuple, tokens)),
             draft_exists=tuple(map(tuple, exists)),
-            seq_len=self.prompt_len + self.num_generated, beam_width=width,
-            num_out=1 if p.memory_efficient else width, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-            length_penalty=p.length_penalty, ignore_eos=p.ignore_eos, eos_token_id=p.eos_token_id,
+            seq_len=self.prompt_len + self.num_generated, num_out=1 if p.memory_efficient else width,
             width_threshold=1.0 if p.temperature == 0 else p.width_threshold, min_width=p.min_width,
-            num_logprobs=p.num_logprobs, seed=p.seed, step=self.step,
+            num_logprobs=p.num_logprobs,
         )
 
     def node_path(self, node: int) -> tuple[int, list[int]]:
@@ -359,23 +353,20 @@ class BeamGroup:
     def requests(self) -> list[Any]:
         return [b.request for b in self.beams]
 
-    def plan(self) -> GroupStep:
+    def decoding(self) -> dict[str, Any]:
+        """The :class:`GroupDecoding` fields of this group's next step."""
         p = self.params
+        return dict(group_id=self.group_id, beam_width=p.beam_width, temperature=p.temperature, top_k=p.top_k,
+                    top_p=p.top_p, length_penalty=p.length_penalty, ignore_eos=p.ignore_eos,
+                    eos_token_id=p.eos_token_id, seed=p.seed, step=self.step)
+
+    def plan(self) -> GroupStep:
         return GroupStep(
-            group_id=self.group_id,
+            **self.decoding(),
             req_ids=tuple(b.request.request_id for b in self.beams),
             scores=tuple(b.score for b in self.beams),
             seq_len=self.prompt_len + self.num_generated,
-            beam_width=p.beam_width,
-            temperature=p.temperature,
-            top_k=p.top_k,
-            top_p=p.top_p,
-            length_penalty=p.length_penalty,
-            ignore_eos=p.ignore_eos,
-            eos_token_id=p.eos_token_id,
-            num_logprobs=p.num_logprobs,
-            seed=p.seed,
-            step=self.step,
+            num_logprobs=self.params.num_logprobs,
         )
 
     def apply(self, decision: GroupDecision) -> StepEffects:

@@ -15,20 +15,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 PLAN_ATTR = "dsbd_plan"
 RESULT_ATTR = "dsbd_result"
 
 
 @dataclass(frozen=True)
-class GroupStep:
-    """One beam step of one group: every live beam's next-token logits are in this step's batch."""
+class GroupDecoding:
+    """How a group decodes: what every step of a group (beam, draft, verify) carries."""
 
     group_id: str
-    req_ids: tuple[str, ...]  # [B] internal requests of the live beams, beam order
-    scores: tuple[float, ...]  # [B] cumulative target log-probs S_b (tempered when temperature > 0)
-    seq_len: int  # tokens per beam now: prompt + generated (equal for all beams)
     beam_width: int  # W: beams drawn / kept
     temperature: float  # 0: beam search (vLLM's rule); > 0: beam sampling
     top_k: int  # on the joint; 0 = off
@@ -36,38 +33,37 @@ class GroupStep:
     length_penalty: float
     ignore_eos: bool
     eos_token_id: int | None
-    num_logprobs: int  # per chosen token: -1 nothing extra, 0 its own log-prob and rank, k > 0 also the top-k
     seed: int  # with `step`, seeds the group's generator (the same on every tensor-parallel rank)
-    step: int
+    step: int  # the group's beam step (GroupStep) or DSBD iteration (DraftStep, VerifyStep)
 
 
 @dataclass(frozen=True)
-class DraftStep:
+class GroupStep(GroupDecoding):
+    """One beam step of one group: every live beam's next-token logits are in this step's batch."""
+
+    req_ids: tuple[str, ...]  # [B] internal requests of the live beams, beam order
+    scores: tuple[float, ...]  # [B] cumulative target log-probs S_b (tempered when temperature > 0)
+    seq_len: int  # tokens per beam now: prompt + generated (equal for all beams)
+    num_logprobs: int  # per chosen token: -1 nothing extra, 0 its own log-prob and rank, k > 0 also the top-k
+
+
+@dataclass(frozen=True)
+class DraftStep(GroupDecoding):
     """Draft layer ``layer`` of one DSBD iteration: the draft model ran on every parent node in this step.
 
     Parent nodes are the slots of layer ``layer - 1`` (layer 0: the live
     beams) that can have children; slots are numbered ``0..W-1``.
     """
 
-    group_id: str
     layer: int  # i, 1-based
     req_ids: tuple[str, ...]  # [P] requests of the parent nodes, slot order
     slots: tuple[int, ...]  # [P] slot of each parent in its layer
     scores: tuple[float, ...]  # [P] path scores: target S of the beam + draft log-probs below it
     seq_len: int  # tokens per parent node now (prompt + generated + layer - 1)
-    beam_width: int
-    temperature: float
-    top_k: int
-    top_p: float
-    length_penalty: float
-    ignore_eos: bool
-    eos_token_id: int | None
-    seed: int
-    step: int  # the group's iteration
 
 
 @dataclass(frozen=True)
-class VerifyStep:
+class VerifyStep(GroupDecoding):
     """The verification of one DSBD iteration: the target ran on every root-to-leaf path in this step.
 
     Node ids follow ``algorithm.forest``: roots (the beams, padded to W
@@ -75,7 +71,6 @@ class VerifyStep:
     Path request k computed the target at every node of ``paths[k]``.
     """
 
-    group_id: str
     path_req_ids: tuple[str, ...]  # [num_paths]
     paths: tuple[tuple[int, ...], ...]  # node ids of each path, root first
     root_scores: tuple[float, ...]  # [W] S of the beams (-inf for empty slots)
@@ -84,19 +79,10 @@ class VerifyStep:
     draft_tokens: tuple[tuple[int, ...], ...]  # [layers][W]
     draft_exists: tuple[tuple[bool, ...], ...]  # [layers][W]
     seq_len: int  # tokens per beam (prompt + generated)
-    beam_width: int
     num_out: int  # W_out: 1 in memory-efficient mode
-    temperature: float
-    top_k: int
-    top_p: float
-    length_penalty: float
-    ignore_eos: bool
-    eos_token_id: int | None
     width_threshold: float  # >= 1: fixed width
     min_width: int
     num_logprobs: int
-    seed: int
-    step: int
 
 
 @dataclass
