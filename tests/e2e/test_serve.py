@@ -25,12 +25,14 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_eos_target, tmp_path_factory):
+def server(tiny_eos_target, tiny_pair, tmp_path_factory):
+    """DSBD drafting with the tiny draft (γ 2): beam requests speculate unless they ask for γ 0."""
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [sys.executable, "-m", "vllm_dsbd.cli", "serve", str(tiny_eos_target), "--served-model-name", "tiny",
            "--speculative-method", "dsbd",
-           "--speculative-config", json.dumps({"num_speculative_tokens": 0, "beam_width": 8}),
+           "--speculative-config", json.dumps({"model": str(tiny_pair.draft), "num_speculative_tokens": 2,
+                                               "beam_width": 8}),
            "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0",
            "--kv-cache-memory-bytes", str(256 << 20), "--block-size", "32",
            "--host", "127.0.0.1", "--port", str(port)]
@@ -74,7 +76,8 @@ def _offline(llm, **params):
 
 
 def test_completions_use_beam_search_is_in_engine_beam_search(client, dsbd_tiny_llm):
-    """use_beam_search with n: the engine's n best hypotheses, as the offline API returns them."""
+    """use_beam_search with n: the engine's n best hypotheses (speculative beam search, lossless), as the
+    offline API returns them from an engine without a draft."""
     r = client.completions.create(model="tiny", prompt=PROMPT, n=4, max_tokens=8, temperature=0.0,
                                   extra_body={"use_beam_search": True})
     texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
@@ -97,12 +100,48 @@ def test_chat_completions_use_beam_search(client):
 
 
 def test_vllm_xargs_beam_sampling_matches_offline(client, dsbd_tiny_llm):
-    """Beam sampling with knobs in vllm_xargs: seeded, so equal to the same request offline."""
+    """Beam sampling with knobs in vllm_xargs (γ 0: no speculation): seeded, so equal to the same request
+    offline."""
     r = client.completions.create(model="tiny", prompt=PROMPT, n=2, max_tokens=8, temperature=0.8, seed=3,
-                                  extra_body={"vllm_xargs": {"beam_width": 4, "length_penalty": 0.5}})
+                                  extra_body={"vllm_xargs": {"beam_width": 4, "length_penalty": 0.5,
+                                                             "num_speculative_tokens": 0}})
     texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
     assert texts == _offline(dsbd_tiny_llm, n=2, temperature=0.8, seed=3, max_tokens=8,
                              extra_args={"beam_width": 4, "length_penalty": 0.5})
+
+
+def _served_metrics(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def test_dsbd_metrics_are_served(client, server):
+    """/metrics: target forwards, beam layers and widths of a speculative beam-sampling request."""
+    before = _served_metrics(server)
+    client.completions.create(model="tiny", prompt=PROMPT, n=2, max_tokens=8, temperature=1.0, seed=0,
+                              extra_body={"ignore_eos": True, "vllm_xargs": {"beam_width": 4}})
+    deadline = time.time() + 10  # the front end records an engine step's stats after handing out its outputs
+    while True:
+        after = _served_metrics(server)
+        layers = after.get("vllm:dsbd_beam_layers_total", 0.0) - before.get("vllm:dsbd_beam_layers_total", 0.0)
+        if layers >= 8 or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    forwards = after["vllm:spec_decode_num_drafts_total"] - before.get("vllm:spec_decode_num_drafts_total", 0.0)
+    widths = after["vllm:dsbd_beam_width_sum_total"] - before.get("vllm:dsbd_beam_width_sum_total", 0.0)
+    assert layers == 8 and 1 <= forwards <= 8
+    assert layers <= widths <= 4 * layers
+    assert after["vllm:dsbd_tokens_per_target_forward"] == pytest.approx(
+        after["vllm:dsbd_beam_layers_total"] / after["vllm:spec_decode_num_drafts_total"])
+    assert after["vllm:dsbd_mean_beam_width"] == pytest.approx(
+        after["vllm:dsbd_beam_width_sum_total"] / after["vllm:dsbd_beam_layers_total"])
 
 
 def test_bad_knob_is_a_400_naming_it_and_the_server_keeps_serving(client):
