@@ -22,10 +22,16 @@ own drafter (``draft_model``) never proposes: DSBD drafts through its draft
 steps.
 
 Every tensor-parallel rank runs the same decisions (same logits, same
-per-group generators); only the output rank's result is read.
+per-group generators); only the output rank's result is read, but each rank
+feeds its own decisions back as its next input tokens, so ranks must agree:
+:meth:`DSBDModelRunnerMixin.dsbd_decisions_digest` (a running hash of every
+decision) lets a caller check that they do.
 """
 
 from __future__ import annotations
+
+import hashlib
+import pickle
 
 import numpy as np
 import torch
@@ -45,6 +51,7 @@ class DSBDModelRunnerMixin:
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._dsbd_drafts = spec_step.DraftStore()
+        self._dsbd_digest = hashlib.sha256()
         if hasattr(self, "drafter"):
             # vLLM asks the proposer whether its model returns (hidden, aux) tuples by method
             # name; "dsbd" runs a plain causal LM like "draft_model".
@@ -120,7 +127,12 @@ class DSBDModelRunnerMixin:
             if i is not None:
                 discard[i] = True
         self._dsbd_result = result
+        self._dsbd_digest.update(pickle.dumps(result))
         return sampler_output
+
+    def dsbd_decisions_digest(self) -> str:
+        """A hash of every decision this runner made so far (equal on all tensor-parallel ranks)."""
+        return self._dsbd_digest.hexdigest()
 
     def sample_tokens(self, grammar_output):
         output = super().sample_tokens(grammar_output)

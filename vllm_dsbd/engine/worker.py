@@ -21,7 +21,13 @@ def _require_v1_runner(worker) -> None:
         )
 
 
-class DSBDCPUWorker(CPUWorker):
+class _DecisionsDigest:
+    def dsbd_decisions_digest(self) -> str:
+        """The model runner's hash of its decisions; through ``LLM.collective_rpc`` one per rank."""
+        return self.model_runner.dsbd_decisions_digest()
+
+
+class DSBDCPUWorker(_DecisionsDigest, CPUWorker):
     def init_device(self) -> None:
         _require_v1_runner(self)
         # CPUWorker builds its runner inline from this module global.
@@ -33,7 +39,7 @@ class DSBDCPUWorker(CPUWorker):
             cpu_worker.CPUModelRunner = original
 
 
-class DSBDGPUWorker(Worker):
+class DSBDGPUWorker(_DecisionsDigest, Worker):
     def _make_model_runner(self):
         _require_v1_runner(self)
         return DSBDGPUModelRunner(self.vllm_config, self.device)
