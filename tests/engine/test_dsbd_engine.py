@@ -146,10 +146,11 @@ def test_speculation_gives_more_than_one_token_per_target_forward(dsbd_spec_targ
 def test_mean_beam_width_metric_is_w_with_fixed_width_and_less_with_dynamic_width(dsbd_tiny_spec_llm):
     names = ("vllm:spec_decode_num_drafts", "vllm:dsbd_beam_layers", "vllm:dsbd_beam_width_sum")
 
-    def run(extra, n=4):
+    def run(extra, n=4, temperature=1.0, ignore_eos=True):
         before = [engine_metric(dsbd_tiny_spec_llm, name) for name in names]
-        dsbd_tiny_spec_llm.generate(PROMPTS, _beam_request(n, 3, 12, temperature=1.0, seed=0, ignore_eos=True,
-                                                           extra={"beam_width": 4, **extra}), use_tqdm=False)
+        dsbd_tiny_spec_llm.generate(PROMPTS, _beam_request(n, 3, 12, temperature=temperature, seed=0,
+                                                           ignore_eos=ignore_eos, extra={"beam_width": 4, **extra}),
+                                    use_tqdm=False)
         return [engine_metric(dsbd_tiny_spec_llm, name) - b for name, b in zip(names, before)]
 
     iterations, layers, widths = run({"fixed_width": True})
@@ -159,6 +160,9 @@ def test_mean_beam_width_metric_is_w_with_fixed_width_and_less_with_dynamic_widt
     assert layers == 12 * len(PROMPTS) and layers <= widths < 4 * layers
     iterations, layers, widths = run({"width_threshold": 0.9, "memory_efficient": True}, n=1)
     assert layers == 12 * len(PROMPTS) and layers <= widths < 4 * layers
+    for temperature in (0.0, 1.0):  # with EOS (the target is EOS-prone): finished hypotheses are not width
+        iterations, layers, widths = run({"fixed_width": True}, temperature=temperature, ignore_eos=False)
+        assert 0 < layers <= 12 * len(PROMPTS) and widths <= 4 * layers
 
 
 def test_mixed_batch_speculative_beam_and_plain_requests(dsbd_tiny_spec_llm):

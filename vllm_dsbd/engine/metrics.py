@@ -11,10 +11,11 @@ What has no slot there is added here:
 
 - ``vllm:dsbd_beam_layers``: beam layers produced, i.e. tokens appended to each
   beam (1 to γ + 1 per iteration); ``/ num_drafts`` = output tokens per target forward;
-- ``vllm:dsbd_beam_width_sum``: over the layers produced, the number of beams
-  holding a token of the layer (live or just finished); ``/ dsbd_beam_layers`` =
-  mean beam width (W with fixed width, less with dynamic width, 1 for the
-  carried layer in memory-efficient mode);
+- ``vllm:dsbd_beam_width_sum``: over the layers produced, the live beams at
+  the layer (hypotheses finished there not counted; at most W);
+  ``/ dsbd_beam_layers`` = mean beam width (W with a fixed width until beams
+  finish, less with a dynamic width, 1 for the carried layer in
+  memory-efficient mode);
 - gauges ``vllm:dsbd_mean_beam_width`` and ``vllm:dsbd_tokens_per_target_forward``:
   both ratios over the engine's lifetime, for readers without PromQL.
 
@@ -44,7 +45,7 @@ def new_stats(num_draft_layers: int) -> SpecDecodingStats:
 
 
 def observe_layers(stats: SpecDecodingStats, layer_widths: list[int]) -> None:
-    """One iteration produced ``len(layer_widths)`` beam layers, ``layer_widths[i]`` beams holding layer i."""
+    """One iteration produced ``len(layer_widths)`` beam layers, ``layer_widths[i]`` live beams at layer i."""
     extra = stats.num_spec_tokens
     stats.num_draft_tokens_per_pos[extra] += len(layer_widths)
     stats.num_draft_tokens_per_pos[extra + 1] += sum(layer_widths)
@@ -81,7 +82,7 @@ class DSBDSpecDecodingProm(SpecDecodingProm):
             "output tokens per target forward.")
         self.counter_beam_width_sum = per_engine(
             Counter, "vllm:dsbd_beam_width_sum",
-            "Sum over DSBD beam layers of the beams holding a token of the layer; per vllm:dsbd_beam_layers: "
+            "Sum over DSBD beam layers of the live beams at the layer; per vllm:dsbd_beam_layers: "
             "mean beam width.")
         self.gauge_mean_beam_width = per_engine(
             Gauge, "vllm:dsbd_mean_beam_width", "DSBD mean beam width over the engine's lifetime.",

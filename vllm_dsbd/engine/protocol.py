@@ -154,7 +154,7 @@ class VerifyDecision:
     finished: list[VerifyChoice]  # new finished hypotheses (ending in EOS)
     num_proposed: list[int]  # [layers] draft nodes per verified layer
     num_accepted: list[int]  # [layers] accepted draft nodes per verified layer
-    widths: list[int]  # [num_passed + 1] beams holding a token of each layer produced (live or finished)
+    widths: list[int]  # [num_passed + 1] live beams (not finished) at each layer produced; at most W
 
 
 @dataclass

@@ -148,20 +148,26 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
             vs.eos_token_id, ignore_eos,
         )
         passed = int(res.num_passed[0])
-        beams, finished = [], []
+        beams, finished, widths = [], [], []
         for layer in range(passed):  # accepted EOS drafts of passed layers are finished hypotheses
+            live = 0
             for slot in range(width):
-                if res.accepted[0, layer, slot] and ends(int(tokens[0, layer, slot])):
+                if not res.accepted[0, layer, slot]:
+                    continue
+                if ends(int(tokens[0, layer, slot])):
                     finished.append(choice(node_id(layer, int(parents[0, layer, slot]), width),
                                            int(tokens[0, layer, slot]), float(res.node_scores[0, layer, slot])))
+                else:
+                    live += 1
+            widths.append(live)
         for s in range(int(res.out_count[0])):
             c = choice(node_id(passed, int(res.out_parent[0, s]), width), int(res.out_token[0, s]),
                        float(res.out_score[0, s]))
             (finished if ends(c.token) else beams).append(c)
+        widths.append(len(beams))
         verified = min(passed + 1, num_layers)
-        accepted = res.accepted[0].sum(-1).tolist()
-        widths = accepted[:passed] + [int(res.out_count[0])]  # a passed layer holds its w_i accepted nodes
-        return VerifyDecision(vs.group_id, passed, beams, finished, proposed[:verified], accepted[:verified], widths)
+        accepted = res.accepted[0].sum(-1).tolist()[:verified]
+        return VerifyDecision(vs.group_id, passed, beams, finished, proposed[:verified], accepted, widths)
 
     res = verify_forest_greedy(
         raw.reshape(1, num_layers + 1, width, vocab), root_scores, root_valid, parents, tokens, exists,
@@ -180,7 +186,7 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
                                       res.out_cum_logprob[0].tolist(), res.out_valid[0].tolist()) if ok]
     verified = min(passed + 1, num_layers)
     accepted = [proposed[i] if i < passed else 0 for i in range(verified)]
-    widths = proposed[:passed] + [len(beams) + int(res.finished_valid[0, passed].sum())]
+    widths = proposed[:passed] + [len(beams)]  # a passed layer's nodes are the target's live top-W beams
     return VerifyDecision(vs.group_id, passed, beams, finished, proposed[:verified], accepted, widths)
 
 
