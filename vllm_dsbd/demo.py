@@ -100,7 +100,7 @@ def run_demo(args: argparse.Namespace) -> int:
             _completion(p, b.sequences[0].text) for p, b in zip(DEMO_PROMPTS, llm.beam_search(prompts, search))])
         timed(f"DSBD beam sampling (W={width}, γ={args.num_speculative_tokens}, T=0.7, dynamic width)", lambda: [
             o.outputs[0].text for o in llm.generate(DEMO_PROMPTS, sampling, use_tqdm=False)])
-        counts = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")
+        counts = {m.name: m.value for m in llm.get_metrics() if m.name.startswith(("vllm:spec_decode_num_", "vllm:dsbd_"))
                   and not m.name.endswith("per_pos")}
 
     base = rows[0][1]
@@ -120,5 +120,7 @@ def run_demo(args: argparse.Namespace) -> int:
         iterations = counts.get("vllm:spec_decode_num_drafts", 0)
         print(f"DSBD: {iterations:.0f} iterations (one target forward each, per group), "
               f"{counts.get('vllm:spec_decode_num_accepted_tokens', 0):.0f} of "
-              f"{counts.get('vllm:spec_decode_num_draft_tokens', 0):.0f} draft nodes accepted.")
+              f"{counts.get('vllm:spec_decode_num_draft_tokens', 0):.0f} draft nodes accepted, "
+              f"{counts.get('vllm:dsbd_tokens_per_target_forward', 0):.2f} tokens per target forward, "
+              f"mean beam width {counts.get('vllm:dsbd_mean_beam_width', 0):.2f}.")
     return 0
