@@ -44,6 +44,28 @@ def engine_metric(llm, name: str) -> float:
 
 
 
+def start_spec_llm(model, draft, env: dict[str, str], **overrides):
+    """A speculative DSBD engine on the tiny models (γ <= 3, W <= 8, stats on) started with ``env`` set
+    (the engine's processes read it at start), the environment restored afterwards."""
+    import os
+
+    from vllm import LLM
+
+    from vllm_dsbd.demo import dsbd_engine_kwargs
+
+    previous = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return LLM(**{**dsbd_engine_kwargs(str(model), str(draft), 3, 8), "disable_log_stats": False,
+                      "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20, **overrides})
+    finally:
+        for k, v in previous.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
 def beam_search(llm, prompts, width, max_tokens, length_penalty=1.0):
     """``llm.beam_search`` (vLLM's front-end loop on a plain engine, the engine's on a DSBD engine)."""
     from vllm.sampling_params import BeamSearchParams

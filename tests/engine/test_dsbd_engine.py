@@ -10,12 +10,10 @@ layers are rejected: the tests check exactness, not speed).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from beam_checks import (  # tests/engine/beam_checks.py
     EOS, PROMPTS, assert_distributed_as_beam_sampling, assert_kv_freed_after_finish_and_abort,
-    beam_search, engine_metric)
+    beam_search, engine_metric, start_spec_llm)
 
 pytestmark = pytest.mark.engine
 
@@ -69,20 +67,7 @@ def test_fixed_width_dsbd_is_distributed_as_beam_sampling(dsbd_tiny_spec_llm, ti
 @pytest.fixture(scope="module")
 def self_draft_llm(tiny_eos_target):
     """The draft is the target itself; the engine core runs in this process (its scheduler is inspected)."""
-    from vllm import LLM
-
-    from vllm_dsbd.demo import dsbd_engine_kwargs
-
-    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        llm = LLM(**{**dsbd_engine_kwargs(str(tiny_eos_target), str(tiny_eos_target), 3, 8),
-                     "disable_log_stats": False, "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20})
-    finally:
-        if previous is None:
-            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+    llm = start_spec_llm(tiny_eos_target, tiny_eos_target, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     yield llm
     llm.llm_engine.engine_core.shutdown()
 

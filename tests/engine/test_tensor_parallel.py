@@ -11,10 +11,8 @@ executor, so Ray is not run here.)
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from beam_checks import PROMPTS, beam_search, engine_metric  # tests/engine/beam_checks.py
+from beam_checks import PROMPTS, beam_search, engine_metric, start_spec_llm  # tests/engine/beam_checks.py
 
 from vllm_dsbd import models
 
@@ -23,25 +21,12 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def tp2_llm(tiny_eos_target):
-    from vllm import LLM
-
-    from vllm_dsbd.demo import dsbd_engine_kwargs
-
     # the tiny draft has one attention head; TP 2 needs an even number (head_dim 32 for CPU attention)
     draft = models.build_tiny_llama(models.cache_root() / "tiny" / "tiny-draft-2h", num_layers=1, hidden_size=64,
                                     num_heads=2, num_kv_heads=2, intermediate_size=64, seed=1)
     # vLLM's CPU workers bind threads per NUMA node; this machine has one, so each rank gets a core by hand
-    previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    try:
-        llm = LLM(**{**dsbd_engine_kwargs(str(tiny_eos_target), str(draft), 3, 8), "disable_log_stats": False,
-                     "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20, "tensor_parallel_size": 2,
-                     "distributed_executor_backend": "mp"})
-    finally:
-        if previous is None:
-            del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
+    llm = start_spec_llm(tiny_eos_target, draft, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tensor_parallel_size=2,
+                         distributed_executor_backend="mp")
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
