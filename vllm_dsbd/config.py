@@ -50,6 +50,9 @@ class DSBDConfig:
     """Carry one beam between iterations (W_out = 1)."""
     length_penalty: float = 1.0
     """Hypotheses are ranked by cum_logprob / len ** length_penalty (vLLM's beam-search score)."""
+    auto_depth: bool = False
+    """Choose γ in 0..num_speculative_tokens before each iteration from the engine's measured step
+    costs and the request's observed acceptance (``algorithm.depth``); False: always γ."""
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, low=1)
@@ -63,6 +66,7 @@ class DSBDConfig:
         _check_float("width_threshold", self.width_threshold, low=0.0, high=1.0, low_open=True)
         _check_bool("fixed_width", self.fixed_width)
         _check_bool("memory_efficient", self.memory_efficient)
+        _check_bool("auto_depth", self.auto_depth)
         _check_float("length_penalty", self.length_penalty, low=0.0, high=math.inf, low_open=False)
 
     @property

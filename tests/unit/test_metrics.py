@@ -29,10 +29,11 @@ def _value(registry, name: str) -> float:
 
 
 def _step(iterations: list[list[int]]) -> SpecDecodingStats:
+    """One stats record; an iteration's depth is taken as its layers minus one (all passed)."""
     stats = metrics.new_stats(3)
     for widths in iterations:
         stats.num_drafts += 1
-        metrics.observe_layers(stats, widths)
+        metrics.observe_layers(stats, widths, len(widths) - 1)
     return stats
 
 
@@ -40,7 +41,7 @@ def test_dsbd_counts_survive_the_engine_core_to_front_end_serialization():
     stats = _step([[4, 2, 3], [4]])
     wire = MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=SchedulerStats(spec_decoding_stats=stats)))
     received = MsgpackDecoder(EngineCoreOutputs).decode(wire).scheduler_stats.spec_decoding_stats
-    assert metrics.extra_counts(received) == (4, 13)
+    assert metrics.extra_counts(received) == (4, 13, 2)
     assert received.num_draft_tokens_per_pos[:3] == [0, 0, 0]  # vLLM's per-position entries untouched
 
 
@@ -54,6 +55,8 @@ def test_mean_beam_width_and_tokens_per_target_forward():
     assert _value(registry, "vllm:dsbd_beam_width_sum_total") == 17
     assert _value(registry, "vllm:dsbd_mean_beam_width") == pytest.approx(17 / 8)
     assert _value(registry, "vllm:dsbd_tokens_per_target_forward") == pytest.approx(8 / 3)
+    assert _value(registry, "vllm:dsbd_draft_layers_total") == 5  # depths 2 + 0 + 3
+    assert _value(registry, "vllm:dsbd_mean_draft_depth") == pytest.approx(5 / 3)
 
 
 def test_stats_without_dsbd_counts_and_other_methods_keep_vllm_behaviour():

@@ -69,6 +69,7 @@ class BeamParams:
     width_threshold: float = 1.0  # τ (>= 1: fixed width)
     min_width: int = 1
     memory_efficient: bool = False
+    auto_depth: bool = False  # γ of each iteration chosen by the scheduler (algorithm.depth), at most num_speculative_tokens
 
     @property
     def finishing_token(self) -> int | None:
@@ -171,11 +172,18 @@ class BeamGroup:
     # DSBD iterations: draft layers 1..γ, then one verification
     # ------------------------------------------------------------------
 
-    def start_iteration(self) -> StepEffects:
-        """Begin an iteration; γ is cut so that no draft reaches beyond max_tokens (verification adds a
-        token of its own). Without draft layers the paths (the beams alone) are set up at once."""
+    @property
+    def max_draft_layers(self) -> int:
+        """The most draft layers the next iteration may have: γ, cut so that no draft reaches beyond
+        max_tokens (verification adds a token of its own)."""
         remaining = self.params.max_tokens - self.num_generated
-        self.num_draft_layers = max(0, min(self.params.num_speculative_tokens, remaining - 1))
+        return max(0, min(self.params.num_speculative_tokens, remaining - 1))
+
+    def start_iteration(self, num_draft_layers: int | None = None) -> StepEffects:
+        """Begin an iteration with ``num_draft_layers`` (default and upper bound: ``max_draft_layers``).
+        Without draft layers the paths (the beams alone) are set up at once: a plain beam step."""
+        most = self.max_draft_layers
+        self.num_draft_layers = most if num_draft_layers is None else max(0, min(num_draft_layers, most))
         self.layers, self.paths, self.path_requests = [], [], []
         self.in_iteration = True
         return StepEffects(self._set_up_paths() if self.num_draft_layers == 0 else [])

@@ -16,8 +16,12 @@ What has no slot there is added here:
   ``/ dsbd_beam_layers`` = mean beam width (W with a fixed width until beams
   finish, less with a dynamic width, 1 for the carried layer in
   memory-efficient mode);
-- gauges ``vllm:dsbd_mean_beam_width`` and ``vllm:dsbd_tokens_per_target_forward``:
-  both ratios over the engine's lifetime, for readers without PromQL.
+- ``vllm:dsbd_draft_layers``: draft layers built, i.e. the depth γ of each
+  iteration summed (with ``auto_depth`` the engine chooses it per iteration,
+  0 = a plain beam step); ``/ num_drafts`` = mean speculation depth;
+- gauges ``vllm:dsbd_mean_beam_width``, ``vllm:dsbd_tokens_per_target_forward``
+  and ``vllm:dsbd_mean_draft_depth``: the ratios over the engine's lifetime,
+  for readers without PromQL.
 
 Transport: the engine core sends ``SchedulerStats`` to the front end through
 msgspec, which keeps only the declared fields of ``SpecDecodingStats`` (extra
@@ -35,7 +39,7 @@ from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
 from vllm_dsbd.engine.patches import METHOD
 
 #: the DSBD counts appended to ``SpecDecodingStats.num_draft_tokens_per_pos``, in this order
-EXTRA_SLOTS = ("beam_layers", "beam_width_sum")
+EXTRA_SLOTS = ("beam_layers", "beam_width_sum", "draft_layers")
 
 
 def new_stats(num_draft_layers: int) -> SpecDecodingStats:
@@ -44,19 +48,21 @@ def new_stats(num_draft_layers: int) -> SpecDecodingStats:
     return stats
 
 
-def observe_layers(stats: SpecDecodingStats, layer_widths: list[int]) -> None:
-    """One iteration produced ``len(layer_widths)`` beam layers, ``layer_widths[i]`` live beams at layer i."""
+def observe_layers(stats: SpecDecodingStats, layer_widths: list[int], num_draft_layers: int) -> None:
+    """One iteration of ``num_draft_layers`` draft layers produced ``len(layer_widths)`` beam layers,
+    ``layer_widths[i]`` live beams at layer i."""
     extra = stats.num_spec_tokens
     stats.num_draft_tokens_per_pos[extra] += len(layer_widths)
     stats.num_draft_tokens_per_pos[extra + 1] += sum(layer_widths)
+    stats.num_draft_tokens_per_pos[extra + 2] += num_draft_layers
 
 
-def extra_counts(stats: SpecDecodingStats) -> tuple[int, int] | None:
-    """(beam layers, beam width sum) carried by ``stats``, or None (stats of another method)."""
+def extra_counts(stats: SpecDecodingStats) -> tuple[int, int, int] | None:
+    """(beam layers, beam width sum, draft layers) carried by ``stats``, or None (stats of another method)."""
     extra = stats.num_draft_tokens_per_pos[stats.num_spec_tokens:]
     if len(extra) != len(EXTRA_SLOTS):
         return None
-    return extra[0], extra[1]
+    return extra[0], extra[1], extra[2]
 
 
 class DSBDSpecDecodingProm(SpecDecodingProm):
@@ -91,21 +97,32 @@ class DSBDSpecDecodingProm(SpecDecodingProm):
             Gauge, "vllm:dsbd_tokens_per_target_forward",
             "DSBD output tokens (beam layers) per target forward over the engine's lifetime.",
             multiprocess_mode="mostrecent")
-        self._totals = {idx: [0, 0, 0] for idx in per_engine_labelvalues}  # drafts, layers, width sum
+        self.counter_draft_layers = per_engine(
+            Counter, "vllm:dsbd_draft_layers",
+            "DSBD draft layers built (the depth of each iteration, summed); per vllm:spec_decode_num_drafts: "
+            "mean speculation depth.")
+        self.gauge_mean_draft_depth = per_engine(
+            Gauge, "vllm:dsbd_mean_draft_depth",
+            "DSBD mean speculation depth (draft layers per iteration) over the engine's lifetime.",
+            multiprocess_mode="mostrecent")
+        self._totals = {idx: [0, 0, 0, 0] for idx in per_engine_labelvalues}  # drafts, layers, width sum, depth
 
     def observe(self, spec_decoding_stats: SpecDecodingStats, engine_idx: int = 0):
         super().observe(spec_decoding_stats, engine_idx)
         counts = extra_counts(spec_decoding_stats) if self.dsbd_enabled else None
         if counts is None:
             return
-        layers, width_sum = counts
+        layers, width_sum, draft_layers = counts
         self.counter_beam_layers[engine_idx].inc(layers)
         self.counter_beam_width_sum[engine_idx].inc(width_sum)
+        self.counter_draft_layers[engine_idx].inc(draft_layers)
         totals = self._totals[engine_idx]
         totals[0] += spec_decoding_stats.num_drafts
         totals[1] += layers
         totals[2] += width_sum
+        totals[3] += draft_layers
         if totals[1]:
             self.gauge_mean_beam_width[engine_idx].set(totals[2] / totals[1])
         if totals[0]:
             self.gauge_tokens_per_target_forward[engine_idx].set(totals[1] / totals[0])
+            self.gauge_mean_draft_depth[engine_idx].set(totals[3] / totals[0])

@@ -136,4 +136,5 @@ def beam_params(params: Any, engine: DSBDConfig, *, prompt_len: int, max_model_l
         width_threshold=1.0 if config.uses_fixed_width else config.width_threshold,
         min_width=config.min_width,
         memory_efficient=config.memory_efficient,
+        auto_depth=config.auto_depth,
     )

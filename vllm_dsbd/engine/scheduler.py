@@ -68,6 +68,7 @@ from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
+from vllm_dsbd.algorithm.depth import DepthPolicy
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.engine import metrics
 from vllm_dsbd.engine import requests as beam_requests
@@ -103,6 +104,9 @@ class DSBDScheduler(Scheduler):
         self._spec_stats: SpecDecodingStats | None = None  # this step's, in vLLM's spec-decode counters
         # Seeds of unseeded groups: reproducible for a given engine seed and arrival order.
         self._seeds = random.Random(self.vllm_config.model_config.seed)
+        # auto_depth: γ per iteration from the measured cost of this engine's steps (algorithm.depth).
+        self._depth = DepthPolicy()
+        self._step_timing: tuple[float, bool] | None = None  # (start, draft step) of the step in flight
 
     # ------------------------------------------------------------------
     # Requests in
@@ -159,6 +163,7 @@ class DSBDScheduler(Scheduler):
     # ------------------------------------------------------------------
 
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
+        start = time.perf_counter()
         self._preempt_split_groups()
         self._admit_groups()
         drafting = [g for g in self._admitted_groups() if _phase(g) == "draft"]
@@ -178,6 +183,7 @@ class DSBDScheduler(Scheduler):
             plan.forget_group_ids, self._forgotten_groups = self._forgotten_groups, []
         if plan is not None:
             setattr(out, PLAN_ATTR, plan)
+        self._step_timing = (start, bool(drafting))
         return out
 
     def _schedule_draft(self, drafting: list[BeamGroup], *args, **kwargs) -> SchedulerOutput:
@@ -399,6 +405,11 @@ class DSBDScheduler(Scheduler):
         outputs = super().update_from_output(plain_output, model_runner_output)
         for client, outs in group_outputs.items():
             outputs.setdefault(client, EngineCoreOutputs()).outputs.extend(outs)
+        if self._step_timing is not None:  # this step's cost, schedule to commit, for auto_depth
+            start, is_draft = self._step_timing
+            self._step_timing = None
+            self._depth.observe_step(is_draft, scheduler_output.total_num_scheduled_tokens,
+                                     time.perf_counter() - start)
         return outputs
 
     def _commit_steps(self, plan: StepPlan, result, group_outputs: dict[int, list[EngineCoreOutput]]) -> None:
@@ -422,7 +433,9 @@ class DSBDScheduler(Scheduler):
                     for pr in group.path_requests:  # the target computed every path up to its root's end
                         pr.request.num_computed_tokens = pr.request.num_tokens
                     decision = _decision(result, "verify_decisions", step.group_id)
-                    self._observe(decision)
+                    self._observe(decision, len(step.draft_parents))
+                    self._depth.observe_iteration(_depth_key(group), group.group_id, len(step.draft_parents),
+                                                  decision.num_passed)
                     effects = group.apply_verify(decision)
                     self._carry_out(group, effects, freed, group_outputs)
                     if group.group_id in self.groups:
@@ -432,11 +445,11 @@ class DSBDScheduler(Scheduler):
         if freed:
             self.running = remove_all(self.running, freed)
 
-    def _observe(self, decision) -> None:
+    def _observe(self, decision, num_draft_layers: int) -> None:
         """DSBD in vLLM's spec-decode counters: a draft = one iteration (one target forward of the
         group's forest), draft tokens = draft nodes proposed, accepted tokens = draft nodes accepted,
-        per position i = nodes accepted at depth i + 1; plus the beam layers produced and their widths
-        (vllm_dsbd.engine.metrics)."""
+        per position i = nodes accepted at depth i + 1; plus the beam layers produced, their widths and
+        the draft layers built (γ of the iteration; vllm_dsbd.engine.metrics)."""
         if self._spec_stats is None:
             self._spec_stats = metrics.new_stats(self._num_draft_layers)
         stats = self._spec_stats
@@ -446,7 +459,7 @@ class DSBDScheduler(Scheduler):
         for depth, (proposed, accepted) in enumerate(zip(decision.num_proposed, decision.num_accepted)):
             stats.num_draft_tokens_per_pos[depth] += proposed
             stats.num_accepted_tokens_per_pos[depth] += accepted
-        metrics.observe_layers(stats, decision.widths)
+        metrics.observe_layers(stats, decision.widths, num_draft_layers)
 
     def make_stats(self, spec_decoding_stats=None, *args, **kwargs):
         stats, self._spec_stats = self._spec_stats, None
@@ -477,7 +490,12 @@ class DSBDScheduler(Scheduler):
                 r.num_computed_tokens = r.num_tokens - 1
                 r.dsbd_target, r.dsbd_draft = r.num_computed_tokens, 0
             r.dsbd_draft = min(getattr(r, "dsbd_draft", None) or 0, r.dsbd_target)
-        self._carry_out(group, group.start_iteration(), freed, {})
+        depth = None
+        if group.params.auto_depth:
+            draft_lag = sum(b.request.num_tokens - b.request.dsbd_draft for b in group.beams)
+            depth = self._depth.choose(_depth_key(group), group.group_id, group.max_draft_layers,
+                                       len(group.beams), draft_lag)
+        self._carry_out(group, group.start_iteration(depth), freed, {})
 
     def _carry_out(self, group: BeamGroup, effects: StepEffects, freed: set[Request],
                    group_outputs: dict[int, list[EngineCoreOutput]]) -> None:
@@ -627,6 +645,7 @@ class DSBDScheduler(Scheduler):
         released = [self._release_beam(r) for r in requests if r.request_id in self.requests]
         self.groups.pop(group.group_id, None)
         self._forgotten_groups.append(group.group_id)
+        self._depth.forget(group.group_id)
         if group.group_id in self._admission:
             self._admission.remove(group.group_id)
         return released
@@ -666,6 +685,12 @@ def _phase(group: BeamGroup) -> str:
     if not group.in_iteration:
         return "prefill"
     return "draft" if group.drafting else "verify"
+
+
+def _depth_key(group: BeamGroup) -> tuple:
+    """Groups that decode alike share their acceptance statistics (auto_depth)."""
+    p = group.params
+    return p.temperature == 0, p.width_threshold, p.beam_width, p.memory_efficient, p.top_k, p.top_p
 
 
 def _decision(result, kind: str, group_id: str):

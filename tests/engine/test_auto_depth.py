@@ -1,0 +1,76 @@
+"""auto_depth inside real engines: the depth each iteration gets changes speed, never the result.
+
+References as in test_dsbd_engine.py: vLLM's built-in ``LLM.beam_search`` (T = 0) and exact
+enumeration of beam sampling (T > 0, fixed width). The engines are the session's speculative ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+from beam_checks import (  # tests/engine/beam_checks.py
+    PROMPTS, assert_distributed_as_beam_sampling, assert_kv_freed_after_finish_and_abort, beam_search,
+    engine_metric)
+
+pytestmark = pytest.mark.engine
+
+
+def _auto_request(width, max_tokens, temperature=0.0, **kw):
+    from vllm import SamplingParams
+
+    return SamplingParams(n=width, temperature=temperature, max_tokens=max_tokens, logprobs=0,
+                          extra_args={"beam_width": width, "auto_depth": True, **kw.pop("extra", {})}, **kw)
+
+
+def _assert_same_as_beam_search(want, got):
+    for w, g in zip(want, got):
+        prompt_len = len(g.prompt_token_ids)
+        assert [list(c.token_ids) for c in g.outputs] == [s.tokens[prompt_len:] for s in w.sequences]
+        assert [c.cumulative_logprob for c in g.outputs] == pytest.approx(
+            [s.cum_logprob for s in w.sequences], abs=1e-3)
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_auto_depth_is_lossless_speculative_beam_search_with_eos(dsbd_tiny_spec_llm, tiny_eos_llm, width):
+    want = beam_search(tiny_eos_llm, PROMPTS, width, 10)
+    got = dsbd_tiny_spec_llm.generate(PROMPTS, _auto_request(width, 10), use_tqdm=False)
+    _assert_same_as_beam_search(want, got)
+
+
+@pytest.mark.model
+def test_auto_depth_is_lossless_on_the_default_pair(dsbd_spec_target_llm, target_llm):
+    want = beam_search(target_llm, PROMPTS, 4, 12)
+    got = dsbd_spec_target_llm.generate(PROMPTS, _auto_request(4, 12), use_tqdm=False)
+    _assert_same_as_beam_search(want, got)
+
+
+def test_auto_depth_fixed_width_is_distributed_as_beam_sampling(dsbd_tiny_spec_llm, tiny_eos_target):
+    """2,000 seeded requests whose iterations get whatever depth the engine chooses (0 to 3, probes
+    included) against exact enumeration of beam sampling; a planted bug is rejected."""
+    width, max_tokens, top_k = 2, 3, 3
+    params = [_auto_request(width, max_tokens, temperature=1.0, top_k=top_k, ignore_eos=True, seed=seed,
+                            extra={"fixed_width": True}) for seed in range(2000)]
+    outs = dsbd_tiny_spec_llm.generate(["The capital of France is"] * len(params), params, use_tqdm=False)
+    assert_distributed_as_beam_sampling(outs, tiny_eos_target, width, max_tokens, top_k)
+
+
+def test_a_useless_draft_makes_auto_depth_stop_speculating(dsbd_tiny_spec_llm):
+    """The tiny draft is an unrelated random model: at T = 0 its top-W beams are never the target's, so
+    after a few probes the engine takes plain beam steps (depth 0); the fixed depth would draft 3 layers."""
+    names = ("vllm:spec_decode_num_drafts", "vllm:dsbd_draft_layers", "vllm:spec_decode_num_accepted_tokens")
+    before = [engine_metric(dsbd_tiny_spec_llm, n) for n in names]
+    dsbd_tiny_spec_llm.generate(PROMPTS, _auto_request(4, 40, ignore_eos=True), use_tqdm=False)
+    iterations, layers, _ = (engine_metric(dsbd_tiny_spec_llm, n) - b for n, b in zip(names, before))
+    assert iterations >= 3 * 30  # about one token per iteration
+    assert layers / iterations < 0.25
+
+
+def test_auto_depth_frees_all_kv_after_finish_and_abort(dsbd_tiny_spec_llm):
+    assert_kv_freed_after_finish_and_abort(
+        dsbd_tiny_spec_llm, _auto_request(4, 8, temperature=1.0, seed=0, extra={"width_threshold": 0.5}),
+        lambda i: _auto_request(4, 200, temperature=1.0, seed=i, ignore_eos=True), prefix="abort-auto")
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_bad_auto_depth_values_are_refused_naming_the_knob(dsbd_tiny_spec_llm, value):
+    with pytest.raises(ValueError, match=r"'auto_depth'.*allowed: true or false"):
+        dsbd_tiny_spec_llm.generate(PROMPTS[:1], _auto_request(2, 4, extra={"auto_depth": value}), use_tqdm=False)

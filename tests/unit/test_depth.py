@@ -1,0 +1,99 @@
+"""The speculation-depth policy (auto_depth): cost fit, expected tokens, and the depth it picks."""
+
+import random
+
+import pytest
+
+from vllm_dsbd.algorithm.depth import DepthPolicy, LinearCost, expected_tokens, iteration_seconds
+
+KEY = (False, 1.0, 4, False, 0, 1.0)
+
+
+def test_linear_cost_recovers_fixed_and_per_token_cost():
+    cost = LinearCost()
+    for n in (4, 8, 16, 4, 32, 8):
+        cost.observe(n, 0.7 + 0.04 * n)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.7) and b == pytest.approx(0.04)
+    assert cost.predict(12) == pytest.approx(0.7 + 0.48)
+
+
+def test_linear_cost_with_one_step_size_splits_fixed_and_per_token_and_follows_a_slower_machine():
+    cost = LinearCost(decay=0.5)
+    assert cost.predict(4) is None
+    cost.observe(4, 1.0)
+    assert cost.coefficients() == pytest.approx((0.5, 0.125))
+    for _ in range(20):  # the machine got twice as slow: old observations fade
+        cost.observe(4, 2.0)
+    assert cost.predict(4) == pytest.approx(2.0, rel=1e-4)
+
+
+def test_expected_tokens_is_the_truncated_geometric_sum():
+    assert expected_tokens(0.0, 3) == 1.0
+    assert expected_tokens(1.0, 3) == 4.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def _policy(draft_seconds_per_token: float, target_fixed: float = 0.7, target_per_token: float = 0.04) -> DepthPolicy:
+    policy = DepthPolicy()
+    for n in (4, 8, 12, 40):  # a prefill and some verification steps
+        policy.observe_step(False, n, target_fixed + target_per_token * n)
+        policy.observe_step(True, n, 0.18 + draft_seconds_per_token * n)
+    return policy
+
+
+def test_no_measured_draft_means_one_layer_to_measure_it_and_no_depth_allowed_means_zero():
+    policy = DepthPolicy()
+    policy.observe_step(False, 4, 1.0)
+    assert policy.choose(KEY, "g", max_depth=4, width=4, draft_lag=8) == 1
+    assert policy.choose(KEY, "g", max_depth=0, width=4, draft_lag=8) == 0
+
+
+def test_a_draft_that_always_passes_gets_depth_and_a_useless_one_none():
+    """draft = target (every layer passes) on a cheap draft: speculate deep; a draft whose layers
+    never pass: plain beam steps."""
+    good = _policy(0.01)
+    for _ in range(20):
+        good.observe_iteration(KEY, "g", 3, 3)
+    assert good.choose(KEY, "g", max_depth=4, width=4, draft_lag=8) >= 3
+
+    useless = _policy(0.01)
+    for _ in range(20):
+        useless.observe_iteration(KEY, "g", 1, 0)
+    assert useless.choose(KEY, "g", max_depth=4, width=4, draft_lag=8) == 0
+
+
+def test_depth_maximises_the_modelled_rate():
+    policy = _policy(0.01)
+    for k in range(40):  # alpha about 0.7
+        policy.observe_iteration(KEY, "g", 2, 2 if k % 10 < 5 else (1 if k % 10 < 7 else 0))
+    alpha = policy.alpha(KEY, "g")
+    rates = [expected_tokens(alpha, d) / iteration_seconds(d, 4, 8, policy.draft, policy.target) for d in range(5)]
+    assert policy.choose(KEY, "g", max_depth=4, width=4, draft_lag=8) == max(range(5), key=rates.__getitem__)
+
+
+def test_a_new_group_starts_from_the_engine_estimate_and_its_own_outcomes_move_it():
+    policy = _policy(0.01)
+    for k in range(50):
+        policy.observe_iteration(KEY, f"old{k}", 3, 3)
+    assert policy.alpha(KEY, "new") > 0.9
+    for _ in range(30):
+        policy.observe_iteration(KEY, "new", 3, 0)
+    assert policy.alpha(KEY, "new") < 0.3
+    assert policy.alpha(("other",), "fresh") == pytest.approx(0.5)  # other decoding kinds do not share
+
+
+def test_probes_of_a_useless_draft_thin_out():
+    """While depth 0 wins, one probe (depth 1) every 4, 8, 16, ... choices: few over a long run."""
+    policy = _policy(0.01)
+    rng = random.Random(0)
+    depths = []
+    for _ in range(500):
+        depth = policy.choose(KEY, "g", max_depth=4, width=4, draft_lag=8)
+        depths.append(depth)
+        if depth:
+            policy.observe_iteration(KEY, "g", depth, 0 if rng.random() < 0.95 else 1)
+    probes = [i for i, d in enumerate(depths) if d]
+    assert 3 <= len(probes) <= 12
+    assert all(d <= 1 for d in depths)
+    assert probes[-1] - probes[-2] == policy.max_probe_interval

@@ -1,0 +1,168 @@
+"""Speculation depth chosen per iteration: γ in 0..γmax maximising expected tokens per second.
+
+Pure Python (no torch, no vLLM): the scheduler feeds it the wall time of
+every engine step it ran and the outcome of every verified iteration, and
+asks it, before each DSBD iteration of a group, how many draft layers to
+build. The choice depends only on earlier steps, so every iteration stays
+exact (any γ verifies exactly; γ = 0 is a plain beam step).
+
+Model (one group, as if alone in the batch):
+
+- **Step costs.** A draft step and a target step each cost
+  ``c(n) = a + b n`` seconds for ``n`` tokens computed in the step
+  (:class:`LinearCost`: least squares over the engine's own recent steps,
+  exponentially forgotten; nothing is hard-coded for a machine).
+- **Acceptance.** A draft layer passes (all its kept nodes are accepted)
+  with probability ``α``, the same at every depth; an iteration with ``γ``
+  layers passes ``k`` layers with probability ``α^k (1 - α)`` (``k < γ``)
+  and yields ``k + 1`` tokens, so ``E[tokens | γ] = sum_{i=0..γ} α^i``.
+  ``α`` is estimated per group, shrunk toward the engine-wide estimate for
+  groups decoding the same way (:class:`AcceptanceStats`).
+- **Cost of an iteration** with ``W`` live beams whose draft KV lags
+  ``lag`` tokens behind (the draft has not seen them yet):
+  ``γ = 0``: one target step over ``W`` tokens; ``γ ≥ 1``: a first draft
+  step over ``lag`` tokens, ``γ - 1`` draft steps over ``W`` tokens, one
+  target step over ``W (γ + 1)`` tokens (every root-to-leaf path of the
+  forest).
+
+Exploration: a γ never tried tells nothing about itself. Until the draft's
+cost has been measured the policy drafts one layer; while the model says
+γ = 0, every ``probe_interval``-th such choice drafts one layer anyway,
+and the interval doubles each time (up to ``max_probe_interval``), so a
+useless draft costs a vanishing share of the steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class LinearCost:
+    """Online least-squares fit of a step's seconds against its tokens: ``c(n) = a + b n``.
+
+    Each observation's weight decays by ``decay`` per later observation, so
+    the fit follows a machine whose load changes. With too little spread in
+    ``n`` to see a slope, the cost is taken as half fixed, half per token.
+    """
+
+    def __init__(self, decay: float = 0.97) -> None:
+        self.decay = decay
+        self._s = [0.0] * 5  # sums of w, w n, w n^2, w c, w n c
+
+    @property
+    def num_observations(self) -> float:
+        return self._s[0]
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        n = float(num_tokens)
+        self._s = [x * self.decay for x in self._s]
+        for i, v in enumerate((1.0, n, n * n, seconds, n * seconds)):
+            self._s[i] += v
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b) in seconds and seconds per token; None before any observation."""
+        w, sn, snn, sc, snc = self._s
+        if w <= 0:
+            return None
+        mean_n, mean_c = sn / w, sc / w
+        var_n = snn / w - mean_n * mean_n
+        if var_n < 1.0:  # all steps had about the same size
+            return mean_c / 2, mean_c / (2 * mean_n)
+        b = (snc / w - mean_n * mean_c) / var_n
+        b = min(max(b, 0.0), mean_c / mean_n)  # 0 <= b, a >= 0
+        return mean_c - b * mean_n, b
+
+    def predict(self, num_tokens: int) -> float | None:
+        coef = self.coefficients()
+        return None if coef is None else coef[0] + coef[1] * max(num_tokens, 0)
+
+
+@dataclass
+class AcceptanceStats:
+    """Passed and failed draft layers (decayed), for the per-layer pass rate α."""
+
+    passed: float = 0.0
+    failed: float = 0.0
+
+    def observe(self, num_layers: int, num_passed: int, decay: float = 1.0) -> None:
+        self.passed = self.passed * decay + num_passed
+        self.failed = self.failed * decay + (1 if num_passed < num_layers else 0)
+
+    @property
+    def trials(self) -> float:
+        return self.passed + self.failed
+
+
+def expected_tokens(alpha: float, depth: int) -> float:
+    """E[tokens of one iteration] with ``depth`` draft layers, each passing with probability ``alpha``."""
+    return sum(alpha**i for i in range(depth + 1))
+
+
+def iteration_seconds(depth: int, width: int, draft_lag: int, draft: LinearCost, target: LinearCost) -> float:
+    """Predicted seconds of one iteration (see the module docstring); needs both costs measured for depth > 0."""
+    if depth == 0:
+        return target.predict(width)
+    seconds = draft.predict(max(draft_lag, width)) + (depth - 1) * draft.predict(width)
+    return seconds + target.predict(width * (depth + 1))
+
+
+@dataclass
+class DepthPolicy:
+    """The engine's depth chooser (one per scheduler)."""
+
+    prior_weight: float = 4.0  # pseudo-trials of the engine-wide α in a group's estimate
+    decay: float = 0.98  # of the engine-wide acceptance counts, per iteration observed
+    probe_interval: int = 4
+    max_probe_interval: int = 64
+    draft: LinearCost = field(default_factory=LinearCost)
+    target: LinearCost = field(default_factory=LinearCost)
+    _engine: dict[object, AcceptanceStats] = field(default_factory=dict)
+    _groups: dict[str, AcceptanceStats] = field(default_factory=dict)
+    _zero_choices: dict[object, int] = field(default_factory=dict)
+    _intervals: dict[object, int] = field(default_factory=dict)
+
+    def observe_step(self, is_draft: bool, num_tokens: int, seconds: float) -> None:
+        (self.draft if is_draft else self.target).observe(num_tokens, seconds)
+
+    def observe_iteration(self, key: object, group_id: str, num_layers: int, num_passed: int) -> None:
+        """A verified iteration of ``group_id`` (decoding kind ``key``): ``num_passed`` of ``num_layers`` passed."""
+        if num_layers == 0:
+            return
+        self._engine.setdefault(key, AcceptanceStats()).observe(num_layers, num_passed, self.decay)
+        self._groups.setdefault(group_id, AcceptanceStats()).observe(num_layers, num_passed)
+
+    def forget(self, group_id: str) -> None:
+        self._groups.pop(group_id, None)
+
+    def alpha(self, key: object, group_id: str) -> float:
+        engine = self._engine.get(key, AcceptanceStats())
+        prior = (engine.passed + 1.0) / (engine.trials + 2.0)
+        group = self._groups.get(group_id, AcceptanceStats())
+        return (group.passed + self.prior_weight * prior) / (group.trials + self.prior_weight)
+
+    def choose(self, key: object, group_id: str, max_depth: int, width: int, draft_lag: int) -> int:
+        """γ in 0..max_depth for the group's next iteration."""
+        if max_depth <= 0:
+            return 0
+        if self.draft.num_observations == 0 or self.target.num_observations == 0:
+            return 1  # measure the draft before judging it
+        alpha = self.alpha(key, group_id)
+        best, best_rate = 0, 1.0 / iteration_seconds(0, width, draft_lag, self.draft, self.target)
+        for depth in range(1, max_depth + 1):
+            rate = expected_tokens(alpha, depth) / iteration_seconds(depth, width, draft_lag, self.draft, self.target)
+            if rate > best_rate:
+                best, best_rate = depth, rate
+        if best > 0:
+            self._zero_choices[key] = 0
+            self._intervals[key] = self.probe_interval
+            return best
+        count = self._zero_choices.get(key, 0) + 1
+        interval = self._intervals.get(key, self.probe_interval)
+        if count >= interval:  # probe: the draft may have got better (or the estimate was unlucky)
+            self._zero_choices[key] = 0
+            self._intervals[key] = min(2 * interval, self.max_probe_interval)
+            return 1
+        self._zero_choices[key] = count
+        return 0
