@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.bench_dsbd                        # W 4, γ 0-4, 4 prompts x 64 tokens
     .venv/bin/python -m benchmarks.bench_dsbd --gammas 0,1,2 --temperatures 1 --out /tmp/dsbd
+    .venv/bin/python -m benchmarks.bench_dsbd --pair qwen2.5-coder --gammas 0,1,2 --auto --max-tokens 32
 
 One DSBD engine drafting with the default draft (or ``--draft``) serves every
 row, in one process, on the same chat prompts
@@ -12,11 +13,15 @@ temperature runs beam search (T = 0; DSBD must return the baseline's tokens,
 which the script checks and records) or beam sampling (T > 0, seeded).
 ``ignore_eos`` keeps every output at ``max_tokens`` tokens. Every row is
 warmed up on a short run first; the timed runs process the prompts as one
-batch. Besides wall time, each row records from the engine's own counters
+batch (``--batch all``) or one after another (``--batch 1``, the default: latency). Rows with
+``--auto`` let the engine choose γ per iteration (``auto_depth``, at most the largest γ). Besides wall time, each row records from the engine's own counters
 (``llm.get_metrics()``) its DSBD iterations, i.e. target forwards per group,
 the draft nodes proposed and accepted, and the beam layers produced and
 their widths: ``tokens_per_target_forward`` (beam layers per iteration) and
-``mean_beam_width`` are the engine's ``vllm:dsbd_*`` metrics.
+``mean_beam_width`` are the engine's ``vllm:dsbd_*`` metrics; ``step_profile`` is
+the runner's time per step kind (draft / verify / beam steps: worker seconds,
+model forward and logits, DSBD decisions) and ``wall_per_forward`` the row's
+wall time over the model forwards it contains.
 
 Writes ``dsbd.json`` and ``dsbd.png`` into ``--out``.
 """
@@ -35,12 +40,33 @@ from vllm_dsbd import models
 
 COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
             "accepted_tokens": "vllm:spec_decode_num_accepted_tokens", "beam_layers": "vllm:dsbd_beam_layers",
-            "beam_width_sum": "vllm:dsbd_beam_width_sum"}
+            "beam_width_sum": "vllm:dsbd_beam_width_sum", "draft_layers": "vllm:dsbd_draft_layers"}
 
 
 def _counters(llm) -> dict[str, float]:
     values = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
     return {k: values.get(name, 0.0) for k, name in COUNTERS.items()}
+
+
+def _profile(llm) -> dict[str, dict[str, float]]:
+    """The output rank's runner step profile (vllm_dsbd.engine.model_runner.StepProfile)."""
+    return llm.collective_rpc("dsbd_step_profile")[0]
+
+
+def _profile_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    return {kind: {k: v - before.get(kind, {}).get(k, 0.0) for k, v in values.items()}
+            for kind, values in after.items() if values["steps"] > before.get(kind, {}).get("steps", 0)}
+
+
+def _rows(gammas: list[int], temperature: float, auto: bool) -> list[tuple[str, int, bool, bool]]:
+    """(name, γ (the maximum with auto), fixed width, auto_depth) of every row; γ = 0 (the baseline) first."""
+    widths = [True] if temperature == 0 else [True, False]
+    rows = [("in-engine", 0, True, False)]
+    for gamma in (g for g in gammas if g > 0):
+        rows += [("dsbd-fixed" if fixed else "dsbd-dynamic", gamma, fixed, False) for fixed in widths]
+    if auto:
+        rows += [("dsbd-auto-fixed" if fixed else "dsbd-auto-dynamic", max(gammas), fixed, True) for fixed in widths]
+    return rows
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -50,7 +76,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from vllm_dsbd.demo import dsbd_engine_kwargs
 
-    pair = models.prepare() if not (args.target and args.draft) else None
+    pair = models.pair_paths(args.pair) if not (args.target and args.draft) else None
     target = args.target or str(pair.target)
     draft = args.draft or str(pair.draft)
     gammas = [int(g) for g in args.gammas.split(",")]
@@ -58,51 +84,60 @@ def run(args: argparse.Namespace) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = load_prompts(Path(args.prompts_file), args.num_prompts, tokenizer)
     inputs = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
+    batches = [inputs] if args.batch == "all" else [[x] for x in inputs]
     llm = LLM(**dsbd_engine_kwargs(target, draft, max(max(gammas), 1), args.width), disable_log_stats=False)
 
-    def decode(gamma, temperature, fixed, max_tokens):
-        extra = {"beam_width": args.width, "num_speculative_tokens": gamma, "width_threshold": args.tau}
+    def decode(gamma, temperature, fixed, auto, max_tokens, batch):
+        extra = {"beam_width": args.width, "num_speculative_tokens": gamma, "width_threshold": args.tau,
+                 "auto_depth": auto}
         if fixed:
             extra["fixed_width"] = True
         params = SamplingParams(n=args.width, temperature=temperature, seed=args.seed, max_tokens=max_tokens,
                                 ignore_eos=True, extra_args=extra)
-        return llm.generate(inputs, params, use_tqdm=False)
+        return llm.generate(batch, params, use_tqdm=False)
 
     rows = []
     for temperature in temperatures:
         base_secs = base_tokens = None
-        for gamma in gammas:
-            for fixed in ([True] if gamma == 0 or temperature == 0 else [True, False]):
-                name = "in-engine" if gamma == 0 else ("dsbd-fixed" if fixed else "dsbd-dynamic")
-                decode(gamma, temperature, fixed, 4)  # warm-up
-                before = _counters(llm)
-                start = time.perf_counter()
-                out = decode(gamma, temperature, fixed, args.max_tokens)
-                secs = time.perf_counter() - start
-                after = _counters(llm)
-                tokens = [[list(c.token_ids) for c in o.outputs] for o in out]
-                row = {"method": name, "gamma": gamma, "temperature": temperature, "wall_s": secs,
-                       **{k: after[k] - before[k] for k in COUNTERS}}
-                if gamma == 0:
-                    base_secs, base_tokens = secs, tokens
-                else:
-                    row["speedup_vs_in_engine"] = base_secs / secs
-                    row["tokens_per_target_forward"] = row["beam_layers"] / max(row["drafts"], 1)
-                    row["mean_beam_width"] = row["beam_width_sum"] / max(row["beam_layers"], 1)
-                    row["node_acceptance"] = row["accepted_tokens"] / max(row["draft_tokens"], 1)
-                    if temperature == 0:
-                        row["same_tokens_as_in_engine"] = tokens == base_tokens
-                rows.append(row)
-                print(f"[dsbd] T={temperature} γ={gamma} {name} {secs:.2f} s "
-                      + " ".join(f"{k}={v:.3g}" for k, v in row.items() if k in (
-                          "speedup_vs_in_engine", "tokens_per_target_forward", "mean_beam_width",
-                          "node_acceptance")), flush=True)
+        for name, gamma, fixed, auto in _rows(gammas, temperature, args.auto):
+            decode(gamma, temperature, fixed, auto, 4, inputs[:1])  # warm-up
+            before, profile_before = _counters(llm), _profile(llm)
+            start = time.perf_counter()
+            out = [o for batch in batches for o in decode(gamma, temperature, fixed, auto, args.max_tokens, batch)]
+            secs = time.perf_counter() - start
+            after, profile = _counters(llm), _profile_delta(profile_before, _profile(llm))
+            tokens = [[list(c.token_ids) for c in o.outputs] for o in out]
+            forward_s = sum(p["forward_s"] for p in profile.values())
+            row = {"method": name, "gamma": gamma, "auto_depth": auto, "temperature": temperature, "wall_s": secs,
+                   **{k: after[k] - before[k] for k in COUNTERS}, "step_profile": profile,
+                   "wall_per_forward": secs / max(forward_s, 1e-9)}
+            if gamma == 0:
+                base_secs, base_tokens = secs, tokens
+            else:
+                row["speedup_vs_in_engine"] = base_secs / secs
+                row["tokens_per_target_forward"] = row["beam_layers"] / max(row["drafts"], 1)
+                row["mean_beam_width"] = row["beam_width_sum"] / max(row["beam_layers"], 1)
+                row["mean_draft_depth"] = row["draft_layers"] / max(row["drafts"], 1)
+                row["node_acceptance"] = row["accepted_tokens"] / max(row["draft_tokens"], 1)
+                if temperature == 0:
+                    row["same_tokens_as_in_engine"] = tokens == base_tokens
+            rows.append(row)
+            print(f"[dsbd] T={temperature} γ={gamma} {name} {secs:.2f} s "
+                  + " ".join(f"{k}={v:.3g}" for k, v in row.items() if k in (
+                      "speedup_vs_in_engine", "tokens_per_target_forward", "mean_beam_width", "mean_draft_depth",
+                      "node_acceptance", "wall_per_forward")), flush=True)
+            for kind, p in sorted(profile.items()):
+                print(f"         {kind:7s} steps {p['steps']:4.0f}  tokens/step {p['tokens'] / p['steps']:6.1f}  "
+                      f"ms/step {1e3 * p['step_s'] / p['steps']:7.1f}  forward {1e3 * p['forward_s'] / p['steps']:7.1f}"
+                      f"  decide {1e3 * p['decide_s'] / p['steps']:6.1f}", flush=True)
     llm.llm_engine.engine_core.shutdown()
     return {
         "benchmark": "bench_dsbd",
-        "settings": {"target": target, "draft": draft, "width": args.width, "gammas": gammas,
-                     "temperatures": temperatures, "width_threshold": args.tau, "max_tokens": args.max_tokens,
-                     "num_prompts": len(prompts), "prompt_ids": [p.id for p in prompts], "batch": "all prompts",
+        "settings": {"pair": args.pair, "target": target, "draft": draft, "width": args.width, "gammas": gammas,
+                     "auto_depth_rows": args.auto, "temperatures": temperatures, "width_threshold": args.tau,
+                     "max_tokens": args.max_tokens, "num_prompts": len(prompts),
+                     "prompt_ids": [p.id for p in prompts],
+                     "batch": "all prompts" if args.batch == "all" else "1 (prompts one after another)",
                      "ignore_eos": True, "seed": args.seed, "dtype": "float32", "block_size": 32},
         "machine": machine_facts(),
         "results": rows,
@@ -123,6 +158,10 @@ def plot(result: dict, path: Path) -> None:
             pts = [(r["gamma"], r["speedup_vs_in_engine"]) for r in rows if r["method"] == name]
             if pts:
                 ax.plot(*zip(*pts), marker=marker, label=name)
+        for name, marker in (("dsbd-auto-fixed", "*"), ("dsbd-auto-dynamic", "P")):
+            pts = [(r["gamma"], r["speedup_vs_in_engine"]) for r in rows if r["method"] == name]
+            if pts:
+                ax.scatter(*zip(*pts), marker=marker, s=90, label=f"{name} (γ chosen, at most x)")
         ax.axhline(1.0, color="gray", ls="--", lw=1, label="in-engine beam decoding (γ = 0)")
         ax.set_xlabel("γ (draft layers per iteration)")
         ax.set_ylabel("speedup vs in-engine (wall time)")
@@ -141,6 +180,11 @@ def main() -> None:
     parser.add_argument("--gammas", default="0,1,2,3,4", help="0 (the baseline) must come first")
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--tau", type=float, default=0.7, help="width_threshold of the dynamic rows")
+    parser.add_argument("--pair", default="default", help="model pair (vllm-dsbd models prepare --pair NAME)")
+    parser.add_argument("--batch", choices=("1", "all"), default="1",
+                        help="1: prompts one after another (latency); all: the prompts as one batch")
+    parser.add_argument("--auto", action="store_true",
+                        help="also rows with auto_depth (γ chosen per iteration, at most the largest --gammas)")
     parser.add_argument("--out", default="benchmarks/results/dsbd")
     args = parser.parse_args()
     if not args.gammas.startswith("0"):
@@ -151,7 +195,7 @@ def main() -> None:
     for r in result["results"]:
         extra = "".join(f"  {k} {r[k]:.2f}" for k in ("speedup_vs_in_engine", "tokens_per_target_forward",
                                                       "mean_beam_width") if k in r)
-        print(f"T={r['temperature']} γ={r['gamma']} {r['method']:14s} {r['wall_s']:7.2f} s{extra}")
+        print(f"T={r['temperature']} γ={r['gamma']} {r['method']:17s} {r['wall_s']:7.2f} s{extra}")
     print(f"written to {out}")
 
 

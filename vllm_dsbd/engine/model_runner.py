@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import time
 
 import numpy as np
 import torch
@@ -52,14 +53,25 @@ class DSBDModelRunnerMixin:
         super().__init__(*args, **kwargs)
         self._dsbd_drafts = spec_step.DraftStore()
         self._dsbd_digest = hashlib.sha256()
+        self._dsbd_profile = StepProfile()
         if hasattr(self, "drafter"):
             # vLLM asks the proposer whether its model returns (hidden, aux) tuples by method
             # name; "dsbd" runs a plain causal LM like "draft_model".
             self.drafter.model_returns_tuple = lambda: False
 
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        models = [self.model] + ([self.drafter.model] if getattr(self, "drafter", None) is not None else [])
+        for model in models:  # the logits are part of the forward in the step profile
+            model.compute_logits = self._dsbd_profile.timed_forward(model.compute_logits)
+
+    def _model_forward(self, *args, **kwargs):
+        return self._dsbd_profile.timed_forward(super()._model_forward)(*args, **kwargs)
+
     def execute_model(self, scheduler_output, *args, **kwargs):
         plan = self._dsbd_plan = getattr(scheduler_output, PLAN_ATTR, None)
         self._dsbd_result = None
+        self._dsbd_profile.start(plan, scheduler_output.total_num_scheduled_tokens)
         if plan is None or not plan.draft:
             return super().execute_model(scheduler_output, *args, **kwargs)
         target = self.model
@@ -92,6 +104,7 @@ class DSBDModelRunnerMixin:
             count = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64) + 1
         start = np.concatenate([[0], np.cumsum(count)[:-1]])
         last_row = {rid: int(start[i] + count[i] - 1) for rid, i in req_index.items()}
+        decide_start = time.perf_counter()
         sampled = sampler_output.sampled_token_ids  # [num_reqs, max spec tokens + 1]
         discard = self.discard_request_mask.np
         result = StepResult({})
@@ -128,18 +141,74 @@ class DSBDModelRunnerMixin:
                 discard[i] = True
         self._dsbd_result = result
         self._dsbd_digest.update(pickle.dumps(result))
+        self._dsbd_profile.decided(time.perf_counter() - decide_start)
         return sampler_output
 
     def dsbd_decisions_digest(self) -> str:
         """A hash of every decision this runner made so far (equal on all tensor-parallel ranks)."""
         return self._dsbd_digest.hexdigest()
 
+    def dsbd_step_profile(self) -> dict[str, dict[str, float]]:
+        """Per step kind: steps, tokens, seconds of the worker's step, of model forwards (logits included)
+        and of DSBD's decisions, since the engine started (see :class:`StepProfile`)."""
+        return self._dsbd_profile.totals()
+
     def sample_tokens(self, grammar_output):
         output = super().sample_tokens(grammar_output)
         result, self._dsbd_result = self._dsbd_result, None
         if result is not None:
             setattr(output, RESULT_ATTR, result)
+        self._dsbd_profile.finish()
         return output
+
+
+class StepProfile:
+    """Where the worker's time goes, per step kind: ``draft`` (a draft layer), ``verify`` (a target step
+    verifying at least one forest), ``beam`` (a target step with beam steps), ``other`` (plain requests,
+    prompts). A step is timed from ``execute_model`` to the end of ``sample_tokens``; ``forward`` is
+    the model's forward and logits, ``decide`` DSBD's decisions from the logits (beam steps, draft
+    layers, verification). A few ``perf_counter`` calls per step."""
+
+    FIELDS = ("steps", "tokens", "step_s", "forward_s", "decide_s")
+
+    def __init__(self) -> None:
+        self._totals: dict[str, list[float]] = {}
+        self._current: list | None = None  # [kind, tokens, start, forward_s, decide_s]
+
+    def start(self, plan: StepPlan | None, num_tokens: int) -> None:
+        if plan is None:
+            kind = "other"
+        elif plan.draft:
+            kind = "draft"
+        else:
+            kind = "verify" if plan.verify_steps else ("beam" if plan.groups else "other")
+        self._current = [kind, num_tokens, time.perf_counter(), 0.0, 0.0]
+
+    def timed_forward(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self._current is not None:
+                    self._current[3] += time.perf_counter() - start
+        return timed
+
+    def decided(self, seconds: float) -> None:
+        if self._current is not None:
+            self._current[4] += seconds
+
+    def finish(self) -> None:
+        if self._current is None:
+            return
+        kind, tokens, start, forward, decide = self._current
+        self._current = None
+        totals = self._totals.setdefault(kind, [0.0] * len(self.FIELDS))
+        for i, v in enumerate((1, tokens, time.perf_counter() - start, forward, decide)):
+            totals[i] += v
+
+    def totals(self) -> dict[str, dict[str, float]]:
+        return {kind: dict(zip(self.FIELDS, values)) for kind, values in self._totals.items()}
 
 
 def _set_row(sampled: torch.Tensor, discard: np.ndarray, row: int, tokens: list[int] | None) -> None:
