@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_dsbd import models
+from vllm_dsbd import models, pairs
 
 
 def _cmd_models_prepare(args: argparse.Namespace) -> int:
     try:
-        pair = models.prepare(args.cache_dir)
+        pair = models.prepare(args.cache_dir, args.pair)
     except models.ModelUnavailableError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -20,16 +20,24 @@ def _cmd_models_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_verify(args: argparse.Namespace) -> int:
-    path = models.cache_root(args.cache_dir) / models.TARGET_NAME
-    ok = models.is_complete(path, checksums=True)
-    print(f"{path}: {'ok' if ok else 'missing or corrupt (run: vllm-dsbd models prepare)'}")
+    pair = pairs.get_pair(args.pair)
+    ok = True
+    for name in pair.verified:
+        path = models.cache_root(args.cache_dir) / name
+        good = models.is_complete(path, checksums=True)
+        print(f"{path}: {'ok' if good else f'missing or corrupt (run: {pair.command()})'}")
+        ok &= good
     return 0 if ok else 1
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from vllm_dsbd.demo import run_demo
 
-    return run_demo(args)
+    try:
+        return run_demo(args)
+    except models.ModelUnavailableError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def _cmd_distill_draft(args: argparse.Namespace) -> int:
@@ -44,15 +52,21 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
     return evaluate.run(args)
 
 
+def _add_pair_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pair", default=pairs.DEFAULT_PAIR, choices=list(pairs.PAIRS),
+                   help="model pair: " + "; ".join(f"{k}: {v.description}" for k, v in pairs.PAIRS.items())
+                   + f" (default: {pairs.DEFAULT_PAIR})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-dsbd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    m = sub.add_parser("models", help="prepare the default model pair")
+    m = sub.add_parser("models", help="prepare a model pair (the default one unless --pair)")
     msub = m.add_subparsers(dest="models_command", required=True)
     for name, fn, help_ in (
-        ("prepare", _cmd_models_prepare, "build the default target (and draft) checkpoints"),
-        ("verify", _cmd_models_verify, "check the prepared target against its SHA-256 manifest"),
+        ("prepare", _cmd_models_prepare, "build a pair's target and draft checkpoints"),
+        ("verify", _cmd_models_verify, "check prepared checkpoints against their SHA-256 manifests"),
     ):
         p = msub.add_parser(name, help=help_)
         p.add_argument(
@@ -60,11 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             help=f"model cache (default: ${models.CACHE_ENV} or ~/.cache/vllm-dsbd)",
         )
+        _add_pair_argument(p)
         p.set_defaults(func=fn)
 
-    d = sub.add_parser("demo", help="run beam decoding on the default target with timings")
-    d.add_argument("--model", default=None, help="target checkpoint (default: prepared SmolLM2)")
+    d = sub.add_parser("demo", help="run beam decoding on a pair's target (and DSBD with its draft) with timings")
+    d.add_argument("--model", default=None, help="target checkpoint (default: the pair's prepared target)")
     d.add_argument("--cache-dir", default=None)
+    _add_pair_argument(d)
     d.add_argument("--beam-width", type=int, default=4)
     d.add_argument("--max-tokens", type=int, default=32)
     d.add_argument("--num-speculative-tokens", type=int, default=1,

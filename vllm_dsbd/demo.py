@@ -1,4 +1,4 @@
-"""The main job: beam decoding on the default pair, side by side, with timings.
+"""The main job: beam decoding on the default pair (or ``--pair``), side by side, with timings.
 
 A DSBD engine without a draft (``speculative_config={"method": "dsbd",
 "num_speculative_tokens": 0}``) runs, on the same prompts: vLLM's greedy
@@ -22,6 +22,13 @@ DEMO_PROMPTS = [
     "The capital of France is",
     "Here is a short story about a robot who learns to paint:",
 ]
+# Code prefixes for the Qwen2.5-Coder pair (a coding model; the prompts are completed as they are).
+PAIR_PROMPTS = {
+    "qwen2.5-coder": [
+        'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n',
+        "# Check whether a string is a palindrome, ignoring case and spaces.\ndef is_palindrome(s: str) -> bool:\n",
+    ],
+}
 
 
 def engine_kwargs(model: str) -> dict:
@@ -63,12 +70,19 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from vllm_dsbd.entrypoints.beam_search import vllm_builtin_beam_search
 
-    model = args.model or str(models.default_target_path(args.cache_dir))
+    pair = getattr(args, "pair", "default")
+    if pair == "default":
+        model = args.model or str(models.default_target_path(args.cache_dir))
+        pair_draft = None if args.no_draft else models.default_draft_path(args.cache_dir)
+    else:
+        paths = models.pair_paths(pair, args.cache_dir)
+        model, pair_draft = args.model or str(paths.target), paths.draft
+    demo_prompts = PAIR_PROMPTS.get(pair, DEMO_PROMPTS)
     width, max_tokens = args.beam_width, args.max_tokens
     t0 = time.perf_counter()
     llm = LLM(**beam_engine_kwargs(model, max(8, width)))
     print(f"\nengine start: {time.perf_counter() - t0:.1f} s  (model {model})")
-    prompts = [{"prompt": p} for p in DEMO_PROMPTS]
+    prompts = [{"prompt": p} for p in demo_prompts]
     search = BeamSearchParams(beam_width=width, max_tokens=max_tokens)
 
     def timed(name, run):
@@ -78,16 +92,16 @@ def run_demo(args: argparse.Namespace) -> int:
 
     rows: list[tuple[str, float, list[str]]] = []
     timed("vLLM greedy", lambda: [o.outputs[0].text for o in llm.generate(
-        DEMO_PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)])
+        demo_prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)])
     timed(f"vLLM built-in beam search (W={width}, front-end loop)", lambda: [
-        _completion(p, b.sequences[0].text) for p, b in zip(DEMO_PROMPTS, vllm_builtin_beam_search(llm, prompts, search))])
+        _completion(p, b.sequences[0].text) for p, b in zip(demo_prompts, vllm_builtin_beam_search(llm, prompts, search))])
     timed(f"vllm-dsbd in-engine beam search (W={width})", lambda: [
-        _completion(p, b.sequences[0].text) for p, b in zip(DEMO_PROMPTS, llm.beam_search(prompts, search))])
+        _completion(p, b.sequences[0].text) for p, b in zip(demo_prompts, llm.beam_search(prompts, search))])
     sampling = SamplingParams(n=1, temperature=0.7, seed=0, max_tokens=max_tokens, extra_args={"beam_width": width})
     timed(f"vllm-dsbd in-engine beam sampling (W={width}, T=0.7)", lambda: [
-        o.outputs[0].text for o in llm.generate(DEMO_PROMPTS, sampling, use_tqdm=False)])
+        o.outputs[0].text for o in llm.generate(demo_prompts, sampling, use_tqdm=False)])
 
-    draft = None if args.no_draft else models.default_draft_path(args.cache_dir)
+    draft = None if args.no_draft else pair_draft
     if draft is not None:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -97,25 +111,26 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"DSBD engine start: {time.perf_counter() - t0:.1f} s  (draft {draft}, "
               f"γ={args.num_speculative_tokens})")
         timed(f"DSBD beam search (W={width}, γ={args.num_speculative_tokens}, lossless)", lambda: [
-            _completion(p, b.sequences[0].text) for p, b in zip(DEMO_PROMPTS, llm.beam_search(prompts, search))])
+            _completion(p, b.sequences[0].text) for p, b in zip(demo_prompts, llm.beam_search(prompts, search))])
         timed(f"DSBD beam sampling (W={width}, γ={args.num_speculative_tokens}, T=0.7, dynamic width)", lambda: [
-            o.outputs[0].text for o in llm.generate(DEMO_PROMPTS, sampling, use_tqdm=False)])
+            o.outputs[0].text for o in llm.generate(demo_prompts, sampling, use_tqdm=False)])
         counts = {m.name: m.value for m in llm.get_metrics() if m.name.startswith(("vllm:spec_decode_num_", "vllm:dsbd_"))
                   and not m.name.endswith("per_pos")}
 
     base = rows[0][1]
     for name, secs, texts in rows:
         print(f"\n=== {name}: {secs:.2f} s ({secs / base:.1f}x greedy)")
-        for prompt, text in zip(DEMO_PROMPTS, texts):
+        for prompt, text in zip(demo_prompts, texts):
             print(f"--- {prompt!r}\n{text.strip()}")
     builtin, ours = rows[1][1], rows[2][1]
     print(
-        f"\n{len(DEMO_PROMPTS)} prompts, {max_tokens} tokens each; wall clock on this machine. "
+        f"\n{len(demo_prompts)} prompts, {max_tokens} tokens each; wall clock on this machine. "
         f"In-engine beam search: {builtin / ours:.1f}x faster than vLLM's built-in loop, same outputs "
         f"at temperature 0."
     )
     if draft is None:
-        print("No DSBD rows: no default draft is prepared (`vllm-dsbd models prepare`).")
+        print("No DSBD rows: " + ("--no-draft." if args.no_draft else
+                                  "no default draft is prepared (`vllm-dsbd models prepare`)."))
     else:
         iterations = counts.get("vllm:spec_decode_num_drafts", 0)
         print(f"DSBD: {iterations:.0f} iterations (one target forward each, per group), "
