@@ -226,3 +226,24 @@ def test_cli_verify_names_the_pair_command(tmp_path, capsys):
     assert main(["models", "verify", "--pair", "qwen2.5-coder", "--cache-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert out.count("run: vllm-dsbd models prepare --pair qwen2.5-coder") == 2
+
+
+def test_demo_uses_the_pairs_models_and_code_prompts(tmp_path):
+    from vllm_dsbd.demo import DEMO_PROMPTS, demo_models
+
+    def args(*extra):
+        return build_parser().parse_args(["demo", "--cache-dir", str(tmp_path), *extra])
+
+    with pytest.raises(models.ModelUnavailableError, match="Run: vllm-dsbd models prepare --pair qwen2.5-coder$"):
+        demo_models(args("--pair", "qwen2.5-coder"))
+    assert main(["demo", "--pair", "qwen2.5-coder", "--cache-dir", str(tmp_path)]) == 2  # before vLLM starts
+    for name in (pairs.QWEN_TARGET.name, pairs.QWEN_DRAFT.name):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+        models.write_manifest(tmp_path / name, {})
+    model, draft, prompts = demo_models(args("--pair", "qwen2.5-coder"))
+    assert (model, draft) == (str(tmp_path / "qwen2.5-coder-1.5b-instruct"), tmp_path / "qwen2.5-coder-0.5b-instruct")
+    assert prompts != DEMO_PROMPTS and all("def " in p for p in prompts)
+    assert demo_models(args("--pair", "qwen2.5-coder", "--no-draft"))[1] is None
+    with pytest.raises(models.ModelUnavailableError, match="Run: vllm-dsbd models prepare$"):
+        demo_models(args())  # the default pair, as before

@@ -63,21 +63,26 @@ def _completion(prompt: str, text: str) -> str:
     return text[len(prompt):] if text.startswith(prompt) else text
 
 
+def demo_models(args: argparse.Namespace):
+    """(target, draft or None, prompts) of the demo: the pair's (``--pair``, default ``default``)."""
+    pair = getattr(args, "pair", "default")
+    if pair == "default":  # the draft is optional here: without one the demo has no DSBD rows
+        model = args.model or str(models.default_target_path(args.cache_dir))
+        draft = None if args.no_draft else models.default_draft_path(args.cache_dir)
+    else:
+        paths = models.pair_paths(pair, args.cache_dir)
+        model, draft = args.model or str(paths.target), None if args.no_draft else paths.draft
+    return model, draft, PAIR_PROMPTS.get(pair, DEMO_PROMPTS)
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    model, pair_draft, demo_prompts = demo_models(args)  # a clear error before vLLM starts
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import BeamSearchParams
 
     from vllm_dsbd.entrypoints.beam_search import vllm_builtin_beam_search
 
-    pair = getattr(args, "pair", "default")
-    if pair == "default":
-        model = args.model or str(models.default_target_path(args.cache_dir))
-        pair_draft = None if args.no_draft else models.default_draft_path(args.cache_dir)
-    else:
-        paths = models.pair_paths(pair, args.cache_dir)
-        model, pair_draft = args.model or str(paths.target), paths.draft
-    demo_prompts = PAIR_PROMPTS.get(pair, DEMO_PROMPTS)
     width, max_tokens = args.beam_width, args.max_tokens
     t0 = time.perf_counter()
     llm = LLM(**beam_engine_kwargs(model, max(8, width)))
@@ -101,7 +106,7 @@ def run_demo(args: argparse.Namespace) -> int:
     timed(f"vllm-dsbd in-engine beam sampling (W={width}, T=0.7)", lambda: [
         o.outputs[0].text for o in llm.generate(demo_prompts, sampling, use_tqdm=False)])
 
-    draft = None if args.no_draft else pair_draft
+    draft = pair_draft
     if draft is not None:
         llm.llm_engine.engine_core.shutdown()
         del llm
