@@ -14,7 +14,8 @@ which the script checks and records) or beam sampling (T > 0, seeded).
 ``ignore_eos`` keeps every output at ``max_tokens`` tokens. Every row is
 warmed up on a short run first; the timed runs process the prompts as one
 batch (``--batch all``) or one after another (``--batch 1``, the default: latency). Rows with
-``--auto`` let the engine choose γ per iteration (``auto_depth``, at most the largest γ). Besides wall time, each row records from the engine's own counters
+``--auto`` let the engine choose γ per iteration (``auto_depth``, at most ``--auto-max``).
+Besides wall time, each row records from the engine's own counters
 (``llm.get_metrics()``) its DSBD iterations, i.e. target forwards per group,
 the draft nodes proposed and accepted, and the beam layers produced and
 their widths: ``tokens_per_target_forward`` (beam layers per iteration) and
@@ -58,14 +59,14 @@ def _profile_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
             for kind, values in after.items() if values["steps"] > before.get(kind, {}).get("steps", 0)}
 
 
-def _rows(gammas: list[int], temperature: float, auto: bool) -> list[tuple[str, int, bool, bool]]:
+def _rows(gammas: list[int], temperature: float, auto: int) -> list[tuple[str, int, bool, bool]]:
     """(name, γ (the maximum with auto), fixed width, auto_depth) of every row; γ = 0 (the baseline) first."""
     widths = [True] if temperature == 0 else [True, False]
     rows = [("in-engine", 0, True, False)]
     for gamma in (g for g in gammas if g > 0):
         rows += [("dsbd-fixed" if fixed else "dsbd-dynamic", gamma, fixed, False) for fixed in widths]
     if auto:
-        rows += [("dsbd-auto-fixed" if fixed else "dsbd-auto-dynamic", max(gammas), fixed, True) for fixed in widths]
+        rows += [("dsbd-auto-fixed" if fixed else "dsbd-auto-dynamic", auto, fixed, True) for fixed in widths]
     return rows
 
 
@@ -85,7 +86,9 @@ def run(args: argparse.Namespace) -> dict:
     prompts = load_prompts(Path(args.prompts_file), args.num_prompts, tokenizer)
     inputs = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
     batches = [inputs] if args.batch == "all" else [[x] for x in inputs]
-    llm = LLM(**dsbd_engine_kwargs(target, draft, max(max(gammas), 1), args.width), disable_log_stats=False)
+    auto_max = (args.auto_max or max(gammas)) if args.auto else 0  # γmax of the auto_depth rows
+    llm = LLM(**dsbd_engine_kwargs(target, draft, max(max(gammas), auto_max, 1), args.width),
+              disable_log_stats=False)
 
     def decode(gamma, temperature, fixed, auto, max_tokens, batch):
         extra = {"beam_width": args.width, "num_speculative_tokens": gamma, "width_threshold": args.tau,
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     for temperature in temperatures:
         base_secs = base_tokens = None
-        for name, gamma, fixed, auto in _rows(gammas, temperature, args.auto):
+        for name, gamma, fixed, auto in _rows(gammas, temperature, auto_max):
             decode(gamma, temperature, fixed, auto, 4, inputs[:1])  # warm-up
             before, profile_before = _counters(llm), _profile(llm)
             start = time.perf_counter()
@@ -184,7 +187,8 @@ def main() -> None:
     parser.add_argument("--batch", choices=("1", "all"), default="1",
                         help="1: prompts one after another (latency); all: the prompts as one batch")
     parser.add_argument("--auto", action="store_true",
-                        help="also rows with auto_depth (γ chosen per iteration, at most the largest --gammas)")
+                        help="also rows with auto_depth (γ chosen per iteration, at most --auto-max)")
+    parser.add_argument("--auto-max", type=int, default=None, help="γmax of the auto rows (default: the largest γ)")
     parser.add_argument("--out", default="benchmarks/results/dsbd")
     args = parser.parse_args()
     if not args.gammas.startswith("0"):

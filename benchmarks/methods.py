@@ -336,9 +336,14 @@ method("dsbd-engine-beam-sampling", backend="vllm-dsbd-beams",
        description="vllm-dsbd in-engine beam sampling (γ=0, T)")(_dsbd(True))
 method("dsbd-search", backend="vllm-dsbd", needs_draft=True,
        description="DSBD speculative beam search (γ, T=0: lossless)")(_dsbd(False))
+method("dsbd-auto-search", backend="vllm-dsbd", needs_draft=True,
+       description="DSBD speculative beam search, γ chosen per iteration (auto_depth, at most γ; T=0)")(
+    _dsbd(False, auto_depth=True))
 for _name, _description, _make in (
     ("dsbd-fixed", "DSBD, fixed width W (T)", _dsbd_speculative(fixed_width=True)),
     ("dsbd-dynamic", "DSBD, dynamic width (τ, T)", _dsbd_speculative()),
     ("dsbd-memory-efficient", "DSBD, dynamic width, one beam carried (T)", _dsbd_speculative(memory_efficient=True)),
+    ("dsbd-auto-fixed", "DSBD, fixed width W, auto_depth (T)", _dsbd_speculative(fixed_width=True, auto_depth=True)),
+    ("dsbd-auto-dynamic", "DSBD, dynamic width (τ), auto_depth (T)", _dsbd_speculative(auto_depth=True)),
 ):  # fmt: skip
     method(_name, backend="vllm-dsbd", description=_description, needs_draft=True)(_make)

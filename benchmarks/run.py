@@ -166,8 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     p.add_argument("--config", type=Path, required=True, help="a profile in benchmarks/configs/")
     p.add_argument("--methods", default=None, help="comma-separated subset (default: the config's)")
-    p.add_argument("--draft", default=None, help="draft checkpoint (default: the shipped default draft)")
-    p.add_argument("--target", default=None, help="target checkpoint (default: the prepared SmolLM2)")
+    p.add_argument("--pair", default=None, help="a prepared model pair (vllm-dsbd models prepare --pair NAME); "
+                   "default: the default pair")
+    p.add_argument("--draft", default=None, help="draft checkpoint (default: the pair's draft)")
+    p.add_argument("--target", default=None, help="target checkpoint (default: the pair's target)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="γ (default: the config's)")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--baseline", default=None)
@@ -181,14 +184,18 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         baseline=args.baseline,
     )
-    draft = args.draft or models.default_draft_path()
+    if args.pair:
+        pair = models.pair_paths(args.pair)
+        target, draft = args.target or str(pair.target), args.draft or pair.draft
+    else:
+        target, draft = args.target or str(models.default_target_path()), args.draft or models.default_draft_path()
     settings = Settings(
-        target=args.target or str(models.default_target_path()),
+        target=target,
         draft=str(draft) if draft else None,
         beam_width=config.beam_width,
         temperature=config.temperature,
         seed=config.seed,
-        num_speculative_tokens=config.num_speculative_tokens,
+        num_speculative_tokens=args.num_speculative_tokens or config.num_speculative_tokens,
         width_threshold=config.width_threshold,
     )
     out_dir = args.out or Path(config.out_dir)
