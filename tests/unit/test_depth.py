@@ -69,7 +69,12 @@ def test_depth_maximises_the_modelled_rate():
         policy.observe_iteration(KEY, "g", 2, 2 if k % 10 < 5 else (1 if k % 10 < 7 else 0))
     alpha = policy.alpha(KEY, "g")
     rates = [expected_tokens(alpha, d) / iteration_seconds(d, 4, 8, policy.draft, policy.target) for d in range(5)]
-    assert policy.choose(KEY, "g", max_depth=4, width=4, draft_lag=8) == max(range(5), key=rates.__getitem__)
+    best = 0
+    for depth in range(1, 5):  # deeper only when better by the margin
+        if rates[depth] > rates[best] * (1 + policy.margin):
+            best = depth
+    assert policy.choose(KEY, "g", max_depth=4, width=4, draft_lag=8) == best
+    assert max(rates) > rates[0] * 1.1  # the case is one where speculating pays
 
 
 def test_a_new_group_starts_from_the_engine_estimate_and_its_own_outcomes_move_it():
@@ -83,17 +88,42 @@ def test_a_new_group_starts_from_the_engine_estimate_and_its_own_outcomes_move_i
     assert policy.alpha(("other",), "fresh") == pytest.approx(0.5)  # other decoding kinds do not share
 
 
-def test_probes_of_a_useless_draft_thin_out():
-    """While depth 0 wins, one probe (depth 1) every 4, 8, 16, ... choices: few over a long run."""
-    policy = _policy(0.01)
+def _run_useless(policy: DepthPolicy, lag_per_zero: int, iterations: int = 500) -> list[int]:
+    """Depths chosen for a draft whose layers pass 5 % of the time; the draft's lag grows by
+    ``lag_per_zero`` tokens per depth-0 iteration and is caught up by a probe."""
     rng = random.Random(0)
-    depths = []
-    for _ in range(500):
-        depth = policy.choose(KEY, "g", max_depth=4, width=4, draft_lag=8)
+    depths, lag = [], 8
+    for _ in range(iterations):
+        depth = policy.choose(KEY, "g", max_depth=4, width=4, draft_lag=lag)
         depths.append(depth)
         if depth:
             policy.observe_iteration(KEY, "g", depth, 0 if rng.random() < 0.95 else 1)
+        lag = 8 if depth else lag + lag_per_zero
+    return depths
+
+
+def test_probes_of_a_useless_draft_thin_out():
+    """While depth 0 wins, one probe (depth 1) after 4, 8, 16, ... choices: few over a long run."""
+    policy = _policy(0.01)
+    depths = _run_useless(policy, lag_per_zero=0)
     probes = [i for i, d in enumerate(depths) if d]
     assert 3 <= len(probes) <= 12
     assert all(d <= 1 for d in depths)
     assert probes[-1] - probes[-2] == policy.max_probe_interval
+
+
+def test_probe_cost_stays_within_its_budget_when_the_draft_falls_behind():
+    """The draft's catch-up grows with every depth-0 iteration; probes wait until their extra cost
+    is at most probe_budget of the depth-0 time before them; a draft whose catch-up outgrows the
+    budget (0.05 s/token against 0.04 s of budget per iteration) is never probed again."""
+    assert sum(_run_useless(_policy(0.05), lag_per_zero=4)) == 0
+    policy = _policy(0.005)
+    depths = _run_useless(policy, lag_per_zero=4)
+    probes = [i for i, d in enumerate(depths) if d]
+    assert len(probes) >= 3
+    plain = iteration_seconds(0, 4, 0, policy.draft, policy.target)
+    for previous, probe in zip(probes, probes[1:]):
+        lag = 8 + 4 * (probe - previous - 1)
+        extra = iteration_seconds(1, 4, lag, policy.draft, policy.target) - plain
+        # the depth-0 iterations since the last depth > 0 one, and the probe's own plain cost
+        assert extra <= policy.probe_budget * plain * (probe - previous) * 1.001

@@ -18,6 +18,10 @@ Model (one group, as if alone in the batch):
   and yields ``k + 1`` tokens, so ``E[tokens | γ] = sum_{i=0..γ} α^i``.
   ``α`` is estimated per group, shrunk toward the engine-wide estimate for
   groups decoding the same way (:class:`AcceptanceStats`).
+- **Choice**: the γ with the highest modelled rate ``E[tokens | γ] / seconds``,
+  where a deeper γ must beat every shallower one by ``margin`` (the model is
+  rough: one α for every depth, paths counted as ``W (γ + 1)`` tokens;
+  measured on the Qwen pair, deeper forests cost more than it predicts).
 - **Cost of an iteration** with ``W`` live beams whose draft KV lags
   ``lag`` tokens behind (the draft has not seen them yet):
   ``γ = 0``: one target step over ``W`` tokens; ``γ ≥ 1``: a first draft
@@ -27,9 +31,13 @@ Model (one group, as if alone in the batch):
 
 Exploration: a γ never tried tells nothing about itself. Until the draft's
 cost has been measured the policy drafts one layer; while the model says
-γ = 0, every ``probe_interval``-th such choice drafts one layer anyway,
-and the interval doubles each time (up to ``max_probe_interval``), so a
-useless draft costs a vanishing share of the steps.
+γ = 0, it drafts one layer anyway once at least ``probe_interval`` such
+choices were made *and* the probe's extra cost (the draft catching up on
+every token it has not seen, which grows while γ = 0) is at most
+``probe_budget`` of the time those choices took (the probing iteration's
+own plain cost included); the interval doubles after
+each probe (up to ``max_probe_interval``). So a useless draft costs at most
+about ``probe_budget`` of the time, and less as probes thin out.
 """
 
 from __future__ import annotations
@@ -116,11 +124,14 @@ class DepthPolicy:
     decay: float = 0.98  # of the engine-wide acceptance counts, per iteration observed
     probe_interval: int = 4
     max_probe_interval: int = 64
+    probe_budget: float = 0.05  # the most a probe's extra cost may be, as a share of the depth-0 time before it
+    margin: float = 0.05  # a deeper γ must beat the best shallower one's modelled rate by this share
     draft: LinearCost = field(default_factory=LinearCost)
     target: LinearCost = field(default_factory=LinearCost)
     _engine: dict[object, AcceptanceStats] = field(default_factory=dict)
     _groups: dict[str, AcceptanceStats] = field(default_factory=dict)
     _zero_choices: dict[object, int] = field(default_factory=dict)
+    _zero_seconds: dict[object, float] = field(default_factory=dict)
     _intervals: dict[object, int] = field(default_factory=dict)
 
     def observe_step(self, is_draft: bool, num_tokens: int, seconds: float) -> None:
@@ -149,20 +160,24 @@ class DepthPolicy:
         if self.draft.num_observations == 0 or self.target.num_observations == 0:
             return 1  # measure the draft before judging it
         alpha = self.alpha(key, group_id)
-        best, best_rate = 0, 1.0 / iteration_seconds(0, width, draft_lag, self.draft, self.target)
+        plain_seconds = iteration_seconds(0, width, draft_lag, self.draft, self.target)
+        best, best_rate = 0, 1.0 / plain_seconds
         for depth in range(1, max_depth + 1):
             rate = expected_tokens(alpha, depth) / iteration_seconds(depth, width, draft_lag, self.draft, self.target)
-            if rate > best_rate:
+            if rate > best_rate * (1 + self.margin):
                 best, best_rate = depth, rate
         if best > 0:
-            self._zero_choices[key] = 0
+            self._zero_choices[key], self._zero_seconds[key] = 0, 0.0
             self._intervals[key] = self.probe_interval
             return best
         count = self._zero_choices.get(key, 0) + 1
+        spent = self._zero_seconds.get(key, 0.0) + plain_seconds
         interval = self._intervals.get(key, self.probe_interval)
-        if count >= interval:  # probe: the draft may have got better (or the estimate was unlucky)
-            self._zero_choices[key] = 0
+        extra = iteration_seconds(1, width, draft_lag, self.draft, self.target) - plain_seconds
+        if count >= interval and extra <= self.probe_budget * spent:
+            # probe: the draft may have got better (or the estimate was unlucky)
+            self._zero_choices[key], self._zero_seconds[key] = 0, 0.0
             self._intervals[key] = min(2 * interval, self.max_probe_interval)
             return 1
-        self._zero_choices[key] = count
+        self._zero_choices[key], self._zero_seconds[key] = count, spent
         return 0

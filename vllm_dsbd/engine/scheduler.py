@@ -279,6 +279,8 @@ class DSBDScheduler(Scheduler):
             root = group.beams[0].request
             self.requests[root.request_id] = root
             self._enqueue_waiting_request(root)
+            if group.speculative and group.params.auto_depth:
+                self._start_without_prefill(group)
             for uid in group.user_request_ids:
                 user = self.requests.get(uid)
                 if user is not None and self.log_stats:
@@ -352,7 +354,12 @@ class DSBDScheduler(Scheduler):
             phase = _phase(group)
             if phase == "verify":
                 done = [pr.request for pr in group.path_requests if pr.request.request_id in scheduled
-                        and len(spec.get(pr.request.request_id, ())) == len(pr.spec_tokens)]
+                        and len(spec.get(pr.request.request_id, ())) == len(pr.spec_tokens)
+                        and pr.request.num_computed_tokens >= pr.request.num_tokens]  # not a prompt chunk
+                for pr in group.path_requests:  # a prompt chunk (an iteration started without prefill)
+                    r = pr.request
+                    if r.request_id in scheduled and r.num_computed_tokens < r.num_tokens:
+                        r.dsbd_target = r.num_computed_tokens
                 if len(done) == len(group.path_requests):
                     plan.verify_steps.append(group.verify_plan())
                 else:
@@ -496,6 +503,16 @@ class DSBDScheduler(Scheduler):
             depth = self._depth.choose(_depth_key(group), group.group_id, group.max_draft_layers,
                                        len(group.beams), draft_lag)
         self._carry_out(group, group.start_iteration(depth), freed, {})
+
+    def _start_without_prefill(self, group: BeamGroup) -> None:
+        """auto_depth: a group whose first iteration gets depth 0 starts it at once, so the target step
+        that computes its prompt also takes its first beam step (else a prefill step computes the prompt
+        and samples nothing, and the first iteration recomputes its last token with the forest)."""
+        root = group.beams[0].request
+        if self._depth.choose(_depth_key(group), group.group_id, group.max_draft_layers, 1, root.num_tokens):
+            return
+        root.dsbd_target = root.dsbd_draft = 0
+        self._carry_out(group, group.start_iteration(0), set(), {})
 
     def _carry_out(self, group: BeamGroup, effects: StepEffects, freed: set[Request],
                    group_outputs: dict[int, list[EngineCoreOutput]]) -> None:
