@@ -83,11 +83,14 @@ def load_prompts(path: Path, num_prompts: int | None, tokenizer) -> list[harness
     return prompts
 
 
-def run(config: BenchConfig, settings: Settings, out_dir: Path) -> dict:
-    from transformers import AutoTokenizer
+def run_methods(
+    config: BenchConfig, settings: Settings, prompts: list[harness.Prompt], eos_token_id: int | None
+) -> tuple[dict[str, dict], list[harness.RequestRecord]]:
+    """Every selected method on ``prompts``, backend by backend; scored and summarised.
 
-    tokenizer = AutoTokenizer.from_pretrained(settings.target)
-    prompts = load_prompts(Path(config.prompts_file), config.num_prompts, tokenizer)
+    Returns the per-method summaries (status, metrics, speedup vs the config's
+    baseline) and every request's record.
+    """
     selected = [METHODS[name] for name in config.methods]
     status: dict[str, dict] = {}
     runs: dict[str, harness.MethodRun] = {}
@@ -120,7 +123,7 @@ def run(config: BenchConfig, settings: Settings, out_dir: Path) -> dict:
                         max_tokens=config.max_tokens,
                         batch_size=config.batch_size,
                         warmup_tokens=config.warmup_tokens,
-                        eos_token_id=tokenizer.eos_token_id,
+                        eos_token_id=eos_token_id,
                         probes=probes,
                     )
                     status[m.name] = {"status": "ok"}
@@ -139,6 +142,15 @@ def run(config: BenchConfig, settings: Settings, out_dir: Path) -> dict:
         if m.name in runs:
             methods[m.name] |= harness.summarize(runs[m.name])
     harness.add_speedups(methods, config.baseline)
+    return methods, records
+
+
+def run(config: BenchConfig, settings: Settings, out_dir: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(settings.target)
+    prompts = load_prompts(Path(config.prompts_file), config.num_prompts, tokenizer)
+    methods, records = run_methods(config, settings, prompts, tokenizer.eos_token_id)
 
     result = {
         "profile": config.profile,

@@ -4,6 +4,9 @@ Each request's best returned sequence is scored by teacher forcing
 ``prompt + output`` through the target in Hugging Face transformers, float32,
 one sequence at a time (no padding), after all engines are shut down. The
 same code scores every method, so differences come from the outputs alone.
+A prompt's key-value cache is computed once and shared by its outputs, and an
+output several methods returned (greedy and ``draft_model``, beam search with
+and without a draft) is scored once.
 """
 
 from __future__ import annotations
@@ -34,9 +37,37 @@ def mean_logprob(model, prompt_ids: Sequence[int], output_ids: Sequence[int]) ->
 def score(target: str, prompts: Sequence[Prompt], records: Sequence[RequestRecord]) -> None:
     """Set ``mean_logprob`` on every record (loads the target once)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, DynamicCache
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    by_id = {p.id: p for p in prompts}
+    by_prompt: dict[str, list[RequestRecord]] = {}
     for r in records:
-        r.mean_logprob = mean_logprob(model, by_id[r.prompt_id].token_ids, r.beams[0])
+        by_prompt.setdefault(r.prompt_id, []).append(r)
+    for p in prompts:
+        if p.id not in by_prompt:
+            continue
+        prompt = list(p.token_ids)
+        cache = DynamicCache()
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
+        scored: dict[tuple[int, ...], float | None] = {}
+        for r in by_prompt[p.id]:
+            output = tuple(r.beams[0])
+            if output not in scored:
+                scored[output] = _mean_logprob_cached(model, cache, prompt, output)
+                if output:
+                    cache.crop(-len(output))  # back to the prompt
+            r.mean_logprob = scored[output]
+
+
+def _mean_logprob_cached(model, cache, prompt: list[int], output: Sequence[int]) -> float | None:
+    """:func:`mean_logprob` with the prompt's first ``len(prompt) - 1`` positions already in ``cache``."""
+    import torch
+
+    if not output:
+        return None
+    ids = torch.tensor([[prompt[-1], *output[:-1]]])
+    with torch.inference_mode():
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float()
+    picked = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(list(output)).unsqueeze(1))
+    return picked.mean().item()
