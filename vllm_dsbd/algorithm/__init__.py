@@ -12,6 +12,8 @@
   form the engine runs through the target), with each node's owning position.
 - :mod:`.reference` — exact beam sampling, vLLM's beam search, and a complete
   reference DSBD decoder over logits functions.
+- :mod:`.mjsd` — MJSD (seed 004): the joint-likelihood acceptance rule of a
+  draft path and an exact reference decoder (the engine does not run it yet).
 - :mod:`.toy` — small random Markov models to test with.
 
 ALGORITHM.md (shared/design) is the contract; each module's docstring lists
@@ -31,6 +33,7 @@ from vllm_dsbd.algorithm.joint import (
     Generators,
     beam_search_score,
     beam_search_step,
+    finishing_tokens,
     joint_logprobs,
     joint_probs,
     restrict_joint,
@@ -79,6 +82,7 @@ __all__ = [
     "beam_search",
     "beam_search_score",
     "beam_search_step",
+    "finishing_tokens",
     "build_forest",
     "choose_width",
     "dsbd_decode",

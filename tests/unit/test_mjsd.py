@@ -1,0 +1,106 @@
+"""MJSD (vllm_dsbd.algorithm.mjsd): the acceptance rule on hand-built numbers, and the reference decoder's
+limits: τ = 0 accepts every path, a huge τ samples from the target, T = 0 is the target's greedy output."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_dsbd.algorithm.mjsd import MJSDParams, accepted_length, mjsd_decode, token_logprobs
+from vllm_dsbd.algorithm.toy import perturbed_draft, random_markov
+
+from exact_dist import chi2_pvalue, exact_sequences
+
+
+def _accept(target, draft, log_tau, num_tokens=None):
+    t, d = torch.tensor([target], dtype=torch.float64), torch.tensor([draft], dtype=torch.float64)
+    n = torch.tensor([len(target) if num_tokens is None else num_tokens])
+    return int(accepted_length(t, d, n, torch.tensor([log_tau]))[0])
+
+
+def test_the_longest_passing_prefix_is_accepted_not_the_first_failure():
+    # per-token log P - log Q: -1.0, +0.9, -0.1 -> prefix sums -1.0, -0.1, -0.2
+    assert _accept([-2.0, -0.1, -1.1], [-1.0, -1.0, -1.0], log_tau=-0.15) == 2
+    assert _accept([-2.0, -0.1, -1.1], [-1.0, -1.0, -1.0], log_tau=-0.25) == 3
+    assert _accept([-2.0, -0.1, -1.1], [-1.0, -1.0, -1.0], log_tau=-0.05) == 0  # none passes
+    assert _accept([-0.5, -0.5], [-1.0, -1.0], log_tau=math.log(0.9)) == 2  # all accepted (then the bonus)
+    assert _accept([-0.5, -0.5, -0.5], [-1.0, -1.0, -9.0], log_tau=0.0, num_tokens=2) == 2  # beyond the path
+    assert _accept([float("-inf"), -0.1], [-1.0, -1.0], log_tau=-5.0) == 0  # P = 0 never passes
+
+
+def test_tau_zero_accepts_every_path_and_a_huge_tau_none():
+    target, draft = torch.randn(5, 4).log_softmax(-1), torch.randn(5, 4).log_softmax(-1)
+    n = torch.tensor([4, 3, 1, 4, 2])
+    assert accepted_length(target, draft, n, torch.full((5,), float("-inf"))).tolist() == n.tolist()
+    assert accepted_length(target, draft, n, torch.full((5,), 1e9)).tolist() == [0] * 5
+
+
+def test_token_logprobs_apply_temperature_top_k_top_p_and_one_hot_at_zero():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    assert token_logprobs(logits, 0.0).tolist() == [[0.0, float("-inf"), float("-inf"), float("-inf")]]
+    raw = token_logprobs(logits, 0.0, one_hot_at_zero=False)
+    assert torch.allclose(raw, logits.log_softmax(-1))
+    k2 = token_logprobs(logits, 0.5, top_k=2).exp()[0]
+    assert k2[2:].tolist() == [0.0, 0.0] and k2.sum().item() == pytest.approx(1.0)
+    assert k2[0].item() == pytest.approx(1 / (1 + math.exp(-2.0)))
+
+
+@pytest.mark.parametrize("tau", [0.3, 1.0, 5.0])
+def test_temperature_zero_gives_the_target_greedy_output(tau):
+    target = random_markov(6, order=2, seed=3)
+    draft = perturbed_draft(target, 0.6, seed=4)
+    params = MJSDParams(num_beams=3, num_speculative_tokens=3, tau=tau, temperature=0.0, max_tokens=12)
+    got = mjsd_decode(target, draft, [[1, 2], [4]], params)
+    for prompt, tokens in zip([[1, 2], [4]], got.tokens):
+        seq = list(prompt)
+        for _ in range(12):
+            seq.append(int(target([seq])[0].argmax()))
+        assert tokens == seq[len(prompt):]
+    assert sum(map(sum, got.accepted)) > 0  # the draft was used
+
+
+def test_tau_zero_accepts_every_draft_path():
+    target = random_markov(5, order=2, seed=1)
+    draft = perturbed_draft(target, 0.3, seed=2)
+    got = mjsd_decode(target, draft, [[1]], MJSDParams(num_beams=2, num_speculative_tokens=3, tau=0.0,
+                                                       max_tokens=13), torch.Generator().manual_seed(0))
+    assert got.accepted[0] == got.path_lengths[0] == [3, 3, 3, 0]  # the last: no room for a draft
+    assert len(got.tokens[0]) == 13
+
+
+def test_a_huge_tau_samples_from_the_target_and_the_check_has_power():
+    """Every token is a bonus draw: 3 tokens are distributed as the target's ancestral sampling (chi-square,
+    4,000 seeds); the same samples reject the draft's distribution (a planted wrong sampler)."""
+    target = random_markov(4, order=2, seed=7)
+    draft = perturbed_draft(target, 0.2, seed=8)
+    params = MJSDParams(num_beams=2, num_speculative_tokens=2, tau=1e6, temperature=1.0, max_tokens=3)
+    samples = []
+    for seed in range(4000):
+        got = mjsd_decode(target, draft, [[1]], params, torch.Generator().manual_seed(seed))
+        assert got.accepted[0] == [0, 0, 0]
+        samples.append(tuple(got.tokens[0]))
+    assert chi2_pvalue(samples, exact_sequences(target, (1,), 3)) > 1e-3
+    assert chi2_pvalue(samples, exact_sequences(draft, (1,), 3)) < 1e-3
+
+
+def test_eos_in_an_accepted_prefix_ends_the_sequence_without_a_bonus():
+    target = random_markov(5, order=2, seed=5)
+    table = target.table.clone()
+    table[:, 0] += 3.0  # EOS (0) is likely
+    from vllm_dsbd.algorithm.toy import MarkovLM
+
+    eos_target = MarkovLM(table, 2)
+    got = mjsd_decode(eos_target, eos_target, [[1, 2]], MJSDParams(num_beams=2, num_speculative_tokens=3, tau=0.0,
+                                                                   eos_token_id=0, max_tokens=20),
+                      torch.Generator().manual_seed(1))
+    tokens = got.tokens[0]
+    assert tokens[-1] == 0 and 0 not in tokens[:-1]
+
+
+def test_bad_params_are_refused():
+    for kw, message in [({"num_beams": 0}, "num_beams"), ({"num_speculative_tokens": 0}, "num_speculative"),
+                        ({"tau": -1.0}, "tau"), ({"temperature": -0.5}, "temperature")]:
+        with pytest.raises(ValueError, match=message):
+            MJSDParams(**kw)

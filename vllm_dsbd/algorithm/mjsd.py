@@ -1,0 +1,190 @@
+"""MJSD: multi-token joint speculative decoding (seed 004, Qin et al., arXiv 2407.09722), plain torch.
+
+One iteration of a request whose text so far is ``x`` (the rule from the
+authors' public code; the issue gives it):
+
+1. **Draft.** The draft beam-samples ``K`` beams for ``γ`` steps at the
+   request's temperature, top-k and top-p (the joint over beams x vocabulary,
+   as DSBD's draft layers: :func:`joint.joint_probs`, ``K`` draws with
+   replacement per step); at ``T = 0`` it runs vLLM's beam search with ``K``
+   beams. The *draft path* is the final beam with the highest joint draft
+   log-probability (its cumulative score; ties: the lowest slot).
+2. **Verify.** One target forward over the path gives, for every prefix
+   length ``l``, ``log P(x_1..x_l) - log Q(x_1..x_l)``, the sums of
+   :func:`token_logprobs` of the target and of the draft at the path's
+   tokens. The longest ``l`` in ``1..γ`` with that difference ``>= log τ``
+   is accepted (the longest, not the first failure; ``l = 0`` if none).
+3. **Bonus.** One token is drawn from the target's distribution after
+   ``x_1..x_l`` (at ``T = 0`` its argmax): at least one token per iteration.
+
+A path token that finishes the sequence (EOS, unless ``ignore_eos``) ends
+the accepted prefix there; no bonus token follows it.
+
+Not lossless: ``τ`` trades likelihood against speed. ``τ = 0`` accepts every
+path; with a huge ``τ`` nothing is accepted and every token is the bonus
+draw, so the output is distributed as the target's own sampling. At ``T =
+0`` the target's probabilities are one-hot and the draft's are taken raw
+(untempered, finite), so for ``τ > 0`` only prefixes the target would write
+greedily pass and the output is the target's greedy output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from vllm_dsbd.algorithm.joint import (
+    Generators,
+    beam_search_step,
+    joint_probs,
+    restrict_joint,
+    sample_joint,
+    tempered_logprobs,
+)
+
+LogitsFn = Callable[[list[list[int]]], Tensor]
+
+
+def token_logprobs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                   one_hot_at_zero: bool = True) -> Tensor:
+    """The per-token log-distribution a sampled request draws from: [N, V] -> [N, V] float32.
+
+    ``T > 0``: ``log softmax(logits / T)`` restricted to its top-k, then top-p
+    set and renormalised. ``T = 0``: one-hot on the argmax (``0`` there,
+    ``-inf`` elsewhere; the lowest id on ties), or the raw log-probs with
+    ``one_hot_at_zero=False`` (the draft's ``Q`` at ``T = 0``).
+    """
+    if temperature == 0:
+        if not one_hot_at_zero:
+            return torch.log_softmax(logits.float(), dim=-1)
+        out = torch.full(logits.shape, float("-inf"))
+        return out.scatter(-1, logits.float().argmax(-1, keepdim=True), 0.0)
+    rows = logits.shape[0]
+    return restrict_joint(tempered_logprobs(logits, temperature),
+                          torch.full((rows,), top_k), torch.full((rows,), top_p))
+
+
+def accepted_length(target_lp: Tensor, draft_lp: Tensor, num_tokens: Tensor, log_tau: Tensor) -> Tensor:
+    """The MJSD acceptance rule, batched over requests.
+
+    target_lp, draft_lp: [G, γ] log-probs of the draft path's tokens under the
+    target and under the draft (:func:`token_logprobs`). num_tokens: [G] path
+    length (positions beyond it are ignored). log_tau: [G] (``-inf``: τ = 0).
+    Returns [G] int64: the longest ``l`` in ``1..num_tokens`` with
+    ``sum_{i<=l} (target_lp - draft_lp) >= log_tau``, or 0 if there is none.
+    """
+    gamma = target_lp.shape[-1]
+    diff = (target_lp.double() - draft_lp.double()).cumsum(-1)
+    lengths = torch.arange(1, gamma + 1, device=target_lp.device)
+    ok = (diff >= log_tau.double()[:, None]) & (lengths[None, :] <= num_tokens[:, None])
+    return (ok.long() * lengths).max(-1).values if gamma else torch.zeros_like(num_tokens)
+
+
+@dataclass(frozen=True)
+class MJSDParams:
+    num_beams: int = 4  # K: draft beams
+    num_speculative_tokens: int = 4  # γ: draft steps per iteration
+    tau: float = 0.5  # τ >= 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    eos_token_id: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [(self.num_beams >= 1, "num_beams (K) must be >= 1"),
+                  (self.num_speculative_tokens >= 1, "num_speculative_tokens (γ) must be >= 1"),
+                  (self.tau >= 0, "tau must be >= 0"), (self.temperature >= 0, "temperature must be >= 0"),
+                  (self.max_tokens >= 1, "max_tokens must be >= 1")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+@dataclass
+class MJSDResult:
+    tokens: list[list[int]]  # per prompt: generated tokens (a final EOS included)
+    accepted: list[list[int]] = field(default_factory=list)  # per prompt and iteration: l
+    path_lengths: list[list[int]] = field(default_factory=list)  # per prompt and iteration: draft path length
+
+
+def draft_path(draft_fn: LogitsFn, prefix: list[int], params: MJSDParams, gamma: int,
+               generator: torch.Generator | None) -> list[int]:
+    """Step 1: ``K`` draft beams for ``gamma`` steps; the tokens of the one with the best joint score."""
+    width = params.num_beams
+    beams: list[tuple[list[int], float]] = [([], 0.0)]
+    for i in range(gamma):
+        logits = draft_fn([prefix + b for b, _ in beams])
+        scores = torch.tensor([[s for _, s in beams]], dtype=torch.float64)
+        valid = torch.ones_like(scores, dtype=torch.bool)
+        if params.temperature > 0:
+            lp = tempered_logprobs(logits, params.temperature)  # [B, V]
+            probs = joint_probs(scores, valid, lp[None], torch.tensor([params.top_k]), torch.tensor([params.top_p]))
+            vocab = lp.shape[-1]
+            draws = sample_joint(probs, width, generator)[0].tolist()
+            beams = [(beams[d // vocab][0] + [d % vocab], beams[d // vocab][1] + lp[d // vocab, d % vocab].item())
+                     for d in draws]
+        else:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            step = beam_search_step(lp[None], scores, valid, torch.tensor([len(prefix) + i]), width, None,
+                                    torch.tensor([True]), torch.tensor([1.0], dtype=torch.float64))
+            beams = [(beams[p][0] + [t], c) for p, t, c, ok in zip(step.parents[0].tolist(), step.tokens[0].tolist(),
+                                                                   step.cum_logprobs[0].tolist(),
+                                                                   step.valid[0].tolist()) if ok]
+    best = max(range(len(beams)), key=lambda k: (beams[k][1], -k))
+    return beams[best][0]
+
+
+def mjsd_decode(target_fn: LogitsFn, draft_fn: LogitsFn, prompts: Sequence[Sequence[int]], params: MJSDParams,
+                generator: Generators | None = None) -> MJSDResult:
+    """The exact reference MJSD decoder, one prompt after the other (one generator, or one per prompt)."""
+    if params.temperature > 0 and generator is None:
+        raise ValueError("sampling (temperature > 0) needs a torch.Generator")
+    log_tau = torch.tensor([float("-inf") if params.tau == 0 else torch.tensor(params.tau).log().item()])
+    result = MJSDResult([])
+    for index, prompt in enumerate(prompts):
+        gen = generator if generator is None or isinstance(generator, torch.Generator) else generator[index]
+        out: list[int] = []
+        accepted, lengths = [], []
+        while len(out) < params.max_tokens and not (out and _finishes(out[-1], params)):
+            prefix = list(prompt) + out
+            gamma = min(params.num_speculative_tokens, params.max_tokens - len(out) - 1)
+            path = draft_path(draft_fn, prefix, params, gamma, gen) if gamma > 0 else []
+            rows = [prefix + path[:j] for j in range(len(path) + 1)]
+            target_logits = target_fn(rows)  # [len(path) + 1, V]
+            l = 0
+            if path:
+                ids = torch.tensor(path)[:, None]
+                t_lp = token_logprobs(target_logits[:-1], params.temperature, params.top_k, params.top_p)
+                d_lp = token_logprobs(draft_fn(rows[:-1]), params.temperature, params.top_k, params.top_p,
+                                      one_hot_at_zero=False)
+                l = int(accepted_length(t_lp.gather(1, ids).T, d_lp.gather(1, ids).T,
+                                        torch.tensor([len(path)]), log_tau)[0])
+            kept = path[:l]
+            finished_at = next((i for i, t in enumerate(kept) if _finishes(t, params)), None)
+            if finished_at is not None:
+                out += kept[: finished_at + 1]
+            else:
+                out += kept + [_bonus(target_logits[l], params, gen)]
+            accepted.append(l)
+            lengths.append(len(path))
+        result.tokens.append(out)
+        result.accepted.append(accepted)
+        result.path_lengths.append(lengths)
+    return result
+
+
+def _finishes(token: int, params: MJSDParams) -> bool:
+    return token == params.eos_token_id and not params.ignore_eos
+
+
+def _bonus(logits: Tensor, params: MJSDParams, generator: torch.Generator | None) -> int:
+    """Step 3: one token from the target's distribution after the accepted prefix."""
+    lp = token_logprobs(logits[None], params.temperature, params.top_k, params.top_p)[0]
+    if params.temperature == 0:
+        return int(lp.argmax())
+    return int(torch.multinomial(lp.exp(), 1, generator=generator))
