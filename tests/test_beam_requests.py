@@ -29,6 +29,14 @@ def test_a_dsbd_knob_in_extra_args_makes_a_beam_request():
     assert not beam_requests.is_beam_request(sp(extra_args={"kv_transfer_params": None}))
 
 
+def test_stop_strings_and_stop_tokens_are_beam_request_parameters():
+    params = sp(n=2, stop=["\n\n"], stop_token_ids=[7], include_stop_str_in_output=True,
+                extra_args={"beam_width": 2, beam_requests.GROUP_TAG: {"n": 2, "eos": 2}})
+    beam_requests.validate(params, ENGINE)  # no error
+    _, beam = beam_requests.beam_params(params, ENGINE, prompt_len=3, max_model_len=64, default_seed=0)
+    assert (beam.stop, beam.stop_token_ids) == (("\n\n",), (7,))
+
+
 def test_request_knobs_override_engine_values_within_its_maxima():
     config = beam_requests.validate(sp(n=2, extra_args={"beam_width": 3, "length_penalty": 0.0}), ENGINE)
     assert (config.beam_width, config.length_penalty, config.num_speculative_tokens) == (3, 0.0, 0)
@@ -45,7 +53,7 @@ def test_request_knobs_override_engine_values_within_its_maxima():
         (dict(extra_args={"beam_width": 2, "num_speculative_tokens": 2}), r"above the engine's maximum 0"),
         (dict(presence_penalty=0.5, extra_args={"beam_width": 2}), r"presence_penalty=0.5.*allowed: 0.0"),
         (dict(repetition_penalty=1.2, extra_args={"beam_width": 2}), r"repetition_penalty=1.2"),
-        (dict(stop=["\n"], extra_args={"beam_width": 2}), r"SamplingParams.stop=\['\\n'\]"),
+        (dict(bad_words=["no"], extra_args={"beam_width": 2}), r"SamplingParams.bad_words=\['no'\]"),
         (dict(min_tokens=3, extra_args={"beam_width": 2}), r"min_tokens=3"),
         (dict(prompt_logprobs=1, extra_args={"beam_width": 2}), r"prompt_logprobs=1"),
     ],
@@ -53,6 +61,43 @@ def test_request_knobs_override_engine_values_within_its_maxima():
 def test_bad_beam_request_names_parameter_value_and_allowed(params, message):
     with pytest.raises(ValueError, match=message):
         beam_requests.validate(sp(**params), ENGINE)
+
+
+@pytest.mark.parametrize(
+    "key, knob",
+    [("beam_widht", "beam_width"), ("Beam_Width", "beam_width"), ("beamwidth", "beam_width"),
+     ("BEAM-WIDTH", "beam_width"), ("num_speculative_token", "num_speculative_tokens"), ("auto-depth", "auto_depth"),
+     ("fixedwidth", "fixed_width"), ("lenght_penalty", "length_penalty")],
+)
+def test_a_near_miss_of_a_knob_is_refused_naming_the_knob_even_on_a_plain_request(key, knob):
+    message = rf"Unknown key\(s\) \['{key}'\].*resembles DSBD knob '{knob}'"
+    with pytest.raises(beam_requests.BeamRequestError, match=message):
+        beam_requests.check_knob_typos({key: 4})
+    with pytest.raises(ValueError, match=message):  # a beam request with the typo beside a real knob
+        beam_requests.validate(sp(extra_args={"beam_width": 2, key: 4}), ENGINE)
+
+
+@pytest.mark.parametrize("key", ["kv_transfer_params", "kv_cache_report_mode", "my_plugin_option", "lora_name",
+                                 "top_k", "gamma", "width", "temperature", "_dsbd_group"])
+def test_keys_other_code_owns_pass_the_typo_check(key):
+    beam_requests.check_knob_typos({key: 1})
+
+
+@pytest.mark.parametrize("width, gamma, max_num_seqs, fits", [
+    (128, 0, 128, True), (129, 0, 128, False),  # every beam is a sequence
+    (64, 1, 256, True), (128, 1, 256, False),  # speculating: W beams + W draft nodes + W (γ + 1) paths
+    (128, 2, 640, True), (128, 2, 639, False),
+])
+def test_a_group_that_could_never_run_is_refused_naming_what_would_fit(width, gamma, max_num_seqs, fits):
+    config = DSBDConfig(beam_width=width, num_speculative_tokens=gamma)
+    if fits:
+        beam_requests.check_capacity(config, max_num_seqs)
+        return
+    with pytest.raises(beam_requests.BeamRequestError, match=rf"'beam_width'={width}.*max_num_seqs={max_num_seqs}"):
+        beam_requests.check_capacity(config, max_num_seqs)
+    if gamma:
+        with pytest.raises(ValueError, match=rf"needs up to {width * (gamma + 3)} sequences.*num_speculative_tokens 0"):
+            beam_requests.check_capacity(config, max_num_seqs)
 
 
 def test_fanned_out_children_share_their_group():

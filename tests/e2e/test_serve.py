@@ -32,10 +32,10 @@ def server(tiny_eos_target, tiny_pair, tmp_path_factory):
     cmd = [sys.executable, "-m", "vllm_dsbd.cli", "serve", str(tiny_eos_target), "--served-model-name", "tiny",
            "--speculative-method", "dsbd",
            "--speculative-config", json.dumps({"model": str(tiny_pair.draft), "num_speculative_tokens": 2,
-                                               "beam_width": 8}),
+                                               "beam_width": 128}),  # wide beams served too
            "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0",
            "--kv-cache-memory-bytes", str(256 << 20), "--block-size", "32",
-           "--host", "127.0.0.1", "--port", str(port)]
+           "--max-num-seqs", "640", "--host", "127.0.0.1", "--port", str(port)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
@@ -150,8 +150,22 @@ def test_bad_knob_is_a_400_naming_it_and_the_server_keeps_serving(client):
     with pytest.raises(openai.BadRequestError, match=r"beam_width'=0"):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4,
                                   extra_body={"vllm_xargs": {"beam_width": 0}})
-    with pytest.raises(openai.BadRequestError, match=r"above the engine's maximum 8"):
-        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=9,
+    with pytest.raises(openai.BadRequestError, match=r"above the engine's maximum 128"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=129,
                                   extra_body={"use_beam_search": True})
+    with pytest.raises(openai.BadRequestError, match=r"'beam_widht' resembles DSBD knob 'beam_width'"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4,  # a typo: no silent plain request
+                                  extra_body={"vllm_xargs": {"beam_widht": 4}})
     r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0.0)
     assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_wide_beams_are_served_and_speculation_stays_lossless(client):
+    """W 128 over HTTP: DSBD (γ 2) returns the texts of in-engine beam search (γ 0) at T 0."""
+    def texts(**knobs):
+        r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, n=3, temperature=0.0,
+                                      extra_body={"vllm_xargs": {"beam_width": 128, **knobs}})
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+    speculative, plain = texts(), texts(num_speculative_tokens=0)
+    assert len(speculative) == 3 and speculative == plain

@@ -25,7 +25,7 @@ def _renormalised_restriction(draft_joint, parent_valid):
     return q / q.sum(-1, keepdim=True).clamp_min(1e-30)
 
 
-def _all_drafts_valid(accepted, tokens, eos_token_id, ignore_eos):
+def _all_drafts_valid(accepted, tokens, eos_token_id, ignore_eos, stop_token_ids=(), stop_strings=None):
     """Bug: every draft of a passed layer (rejected or never examined ones too) parents the next layer."""
     return torch.ones_like(accepted)
 

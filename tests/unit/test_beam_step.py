@@ -53,7 +53,7 @@ def test_search_step_turns_eos_candidates_into_finished_hypotheses():
     assert [(c.parent, c.token) for c in d.finished] == [(0, 2)]
 
 
-def _decode_with_engine_steps(model, prompt, params: BeamParams, rows_per_call=None):
+def _decode_with_engine_steps(model, prompt, params: BeamParams, rows_per_call=None, stops=None):
     """Drive BeamGroup + decide() like the engine does, with logits from a toy model."""
     group = BeamGroup("g", ["u"], len(prompt), params, root_request=_Req("b0"))
     seqs = {"b0": list(prompt)}
@@ -61,7 +61,7 @@ def _decode_with_engine_steps(model, prompt, params: BeamParams, rows_per_call=N
     while not group.done:
         plan = group.plan()
         logits = model([seqs[r] for r in plan.req_ids])
-        decision = decide(logits, {r: i for i, r in enumerate(plan.req_ids)}, [plan])["g"]
+        decision = decide(logits, {r: i for i, r in enumerate(plan.req_ids)}, [plan], stops)["g"]
         effects = group.apply(decision)
         for op in effects.ops:
             if isinstance(op, Fork):

@@ -32,7 +32,7 @@ def params(**kw) -> BeamParams:
     return BeamParams(**{**base, **kw})
 
 
-def run_dsbd(target, draft, prompt, p: BeamParams, trace=None):
+def run_dsbd(target, draft, prompt, p: BeamParams, trace=None, stops=None):
     """Decode one prompt the way the engine does; ``trace`` collects (num_passed, live requests)."""
     ids = itertools.count()
     live: dict[str, Req] = {}
@@ -73,7 +73,7 @@ def run_dsbd(target, draft, prompt, p: BeamParams, trace=None):
         joints = store.take("g", vs.step, len(vs.draft_parents)) if p.temperature > 0 and vs.draft_parents else None
         if joints is None and p.temperature > 0:
             joints = torch.zeros((0, p.beam_width * target.vocab_size))
-        decision = verify(path_logits, vs, joints)
+        decision = verify(path_logits, vs, joints, stops)
         carry_out(group.apply_verify(decision))
         for b in group.beams:  # every live beam's request holds exactly the beam's tokens
             assert b.request.tokens == prompt + b.tokens

@@ -6,8 +6,9 @@
   beam-search step (``T = 0``). Batched over groups with masks.
 - :mod:`.verify` — verification of a draft forest: per-layer multi-draft
   rejection with residuals, the acceptance-count dynamic program and the
-  width rule, the whole iteration (:func:`verify_forest`), and lossless
-  speculative beam search (:func:`verify_forest_greedy`).
+  width rule, the whole iteration (:func:`verify_forest`).
+- :mod:`.verify_greedy` — lossless speculative beam search (``T = 0``,
+  :func:`verify_forest_greedy`).
 - :mod:`.forest` — a group's forest as nodes and as root-to-leaf paths (the
   form the engine runs through the target), with each node's owning position.
 - :mod:`.reference` — exact beam sampling, vLLM's beam search, and a complete
@@ -53,16 +54,15 @@ from vllm_dsbd.algorithm.reference import (
 )
 from vllm_dsbd.algorithm.verify import (
     ForestVerification,
-    GreedyForestVerification,
     LayerVerification,
     acceptance_count_distribution,
     choose_width,
     residual_ladder,
     restrict_to_parents,
     verify_forest,
-    verify_forest_greedy,
     verify_layer,
 )
+from vllm_dsbd.algorithm.verify_greedy import GreedyForestVerification, verify_forest_greedy
 
 __all__ = [
     "BeamSearchStep",

@@ -30,7 +30,7 @@ vectorised over groups. See its docstring for the exact semantics.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +38,9 @@ from torch import Tensor
 
 Generators = torch.Generator | Sequence[torch.Generator]
 """One generator for the whole batch, or one per group (in group order)."""
+CandidateFinishes = Callable[[Tensor, Tensor], Tensor]
+"""``(beam, token) -> finishes``: [G, ...] tensors, group first; true where the beam's text with the token
+completes a stop string (such a candidate finishes and ranks as EOS does)."""
 
 
 def tempered_logprobs(logits: Tensor, temperature: float | Tensor) -> Tensor:
@@ -156,6 +159,7 @@ class BeamSearchStep:
     finished_parents: Tensor  # [G, B*K] beam slot of each EOS candidate, in vLLM's insertion order
     finished_cum_logprobs: Tensor  # [G, B*K] float64
     finished_valid: Tensor  # [G, B*K] bool
+    finished_tokens: Tensor  # [G, B*K] the token each finished candidate ends with (EOS or a stop token)
 
 
 def beam_search_score(cum_logprobs: Tensor, seq_lens: Tensor, ends_with_eos: Tensor, length_penalty: Tensor) -> Tensor:
@@ -167,6 +171,23 @@ def beam_search_score(cum_logprobs: Tensor, seq_lens: Tensor, ends_with_eos: Ten
     return cum_logprobs.double() / seq_lens**length_penalty
 
 
+def finishing_tokens(tokens: Tensor, eos_token_id: int | None, ignore_eos: Tensor,
+                     stop_token_ids: Sequence[int] = ()) -> tuple[Tensor, Tensor]:
+    """(finishes, ends_like_eos) of candidate ``tokens``, both shaped like ``tokens``.
+
+    A candidate *finishes* a hypothesis when it is EOS (unless ``ignore_eos``,
+    which must broadcast against ``tokens``) or one of ``stop_token_ids``
+    (never ignored, as in vLLM). It *ends like EOS* for the length in
+    :func:`beam_search_score` when it is EOS or a stop token, ignored or not.
+    """
+    ends = torch.zeros_like(tokens, dtype=torch.bool) if eos_token_id is None else tokens == eos_token_id
+    finishes = ends & ~ignore_eos
+    if stop_token_ids:
+        stop = torch.isin(tokens, torch.tensor(list(stop_token_ids), device=tokens.device))
+        ends, finishes = ends | stop, finishes | stop
+    return finishes, ends
+
+
 def beam_search_step(
     logprobs: Tensor,
     beam_scores: Tensor,
@@ -176,6 +197,8 @@ def beam_search_step(
     eos_token_id: int | None,
     ignore_eos: Tensor,
     length_penalty: Tensor,
+    stop_token_ids: Sequence[int] = (),
+    finishes_fn: CandidateFinishes | None = None,
 ) -> BeamSearchStep:
     """One step of vLLM 0.32.0's built-in beam search, for many groups at once.
 
@@ -188,7 +211,10 @@ def beam_search_step(
     ``2W`` tokens (vLLM requests ``logprobs = 2W``); candidates are taken in
     insertion order (beam slot, then descending log-prob, ties by lower token
     id). An EOS candidate becomes a finished hypothesis unless ``ignore_eos``
-    (even if it would not rank in the top W). The other candidates are sorted
+    (even if it would not rank in the top W); so does a candidate in
+    ``stop_token_ids`` (whatever ``ignore_eos``) and one for which
+    ``finishes_fn(beam, token)`` ([G, B, K] long each -> bool) is true (stop
+    strings); all of them are ranked as EOS is. The other candidates are sorted
     by ``get_beam_search_score`` (stable, descending; ties keep insertion
     order) and the first W are the new beams. The score uses the candidate's
     full length (prompt included, minus one if it ends with EOS), which
@@ -206,11 +232,12 @@ def beam_search_step(
     toks = toks.gather(-1, desc)
 
     cum = beam_scores.double()[:, :, None] + vals.double()  # [G, B, K]
-    if eos_token_id is None:
-        is_eos = torch.zeros_like(toks, dtype=torch.bool)
-    else:
-        is_eos = toks == eos_token_id
-    finished = beam_valid[:, :, None] & is_eos & ~ignore_eos[:, None, None]
+    finishes, is_eos = finishing_tokens(toks, eos_token_id, ignore_eos[:, None, None], stop_token_ids)
+    if finishes_fn is not None:
+        beams = torch.arange(num_beams, device=toks.device)[None, :, None].expand_as(toks)
+        extra = finishes_fn(beams, toks)
+        finishes, is_eos = finishes | extra, is_eos | extra
+    finished = beam_valid[:, :, None] & finishes
     live = beam_valid[:, :, None] & ~finished
     score = beam_search_score(cum, seq_lens[:, None, None] + 1, is_eos, length_penalty.double()[:, None, None])
 
@@ -237,4 +264,5 @@ def beam_search_step(
         finished_parents=parents.clone(),
         finished_cum_logprobs=cum,
         finished_valid=finished,
+        finished_tokens=toks,
     )

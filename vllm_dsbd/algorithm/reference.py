@@ -12,15 +12,16 @@ it defines what the engine must reproduce.
 - :func:`dsbd_decode` — DSBD over a target and a draft, for a batch of prompts
   at once: draft beam sampling (``T > 0``) or draft beam search (``T = 0``)
   over ``γ`` layers, :func:`verify.verify_forest` /
-  :func:`verify.verify_forest_greedy`, finishing.
+  :func:`verify_greedy.verify_forest_greedy`, finishing.
 
-Finishing (all three): a beam that emits EOS (unless ``ignore_eos``) becomes a
-finished hypothesis; the others go on until ``max_tokens`` generated tokens
-or until no live beam is left. There is no early stop (vLLM's built-in beam
+Finishing (all three): a beam that emits EOS (unless ``ignore_eos``) or one of
+``stop_token_ids`` (whatever ``ignore_eos``) becomes a finished hypothesis;
+the others go on until ``max_tokens`` generated tokens or until no live beam
+is left. There is no early stop (vLLM's built-in beam
 search has none). The result is every finished hypothesis followed by the
 live beams at the end, sorted by vLLM's ``get_beam_search_score``
 (``cum_logprob / max(len, 1) ** length_penalty`` with ``len`` counting prompt
-and generated tokens, minus one if the last is EOS; ALGORITHM.md says
+and generated tokens, minus one if the last is EOS or a stop token; ALGORITHM.md says
 "generated tokens", we follow vLLM so deterministic outputs match it), stable
 (ties keep that order), truncated to ``n`` (vLLM returns ``beam_width``).
 ``cum_logprob`` is the sum of the tempered log-probs ``log p_T`` for ``T > 0``
@@ -43,8 +44,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from vllm_dsbd.algorithm.joint import Generators, beam_search_step, joint_probs, sample_joint, tempered_logprobs
-from vllm_dsbd.algorithm.verify import verify_forest, verify_forest_greedy
+from vllm_dsbd.algorithm.joint import (
+    Generators,
+    beam_search_step,
+    finishing_tokens,
+    joint_probs,
+    sample_joint,
+    tempered_logprobs,
+)
+from vllm_dsbd.algorithm.verify import verify_forest
+from vllm_dsbd.algorithm.verify_greedy import verify_forest_greedy
 
 LogitsFn = Callable[[list[list[int]]], Tensor]
 
@@ -66,6 +75,11 @@ class DecodeParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     eos_token_id: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that finish a hypothesis like EOS does (ranked alike), even with ``ignore_eos``."""
+    stop_fn: Callable[[Sequence[int], int], bool] | None = None
+    """``(generated tokens, token) -> bool``: the token completes a stop string (the hypothesis then
+    finishes and ranks as with EOS). The draft does not consult it: only the target's decisions do."""
     n: int | None = None
     """Hypotheses returned per prompt; None returns all (finished ones and the final live beams)."""
 
@@ -122,20 +136,27 @@ class _Group:
     widths: list[list[int]] = field(default_factory=list)
 
 
-def _score(tokens: Sequence[int], cum: float, params: DecodeParams) -> float:
-    seq_len = len(tokens) - (1 if tokens[-1] == params.eos_token_id else 0)
+def _score(tokens: Sequence[int], cum: float, params: DecodeParams, finished: bool = False) -> float:
+    """vLLM's score; a finished hypothesis (EOS, stop token, stop string) and a live beam ending in EOS
+    (``ignore_eos``) do not count their last token."""
+    seq_len = len(tokens) - (1 if finished or tokens[-1] == params.eos_token_id else 0)
     return cum / (max(seq_len, 1) ** params.length_penalty)
 
 
-def _ranked(prompt: Sequence[int], hyps: list[tuple[list[int], float]], params: DecodeParams) -> list[Hypothesis]:
-    ranked = sorted(hyps, key=lambda h: _score(h[0], h[1], params), reverse=True)
+def _ranked(prompt: Sequence[int], finished: list[tuple[list[int], float]], live: list[tuple[list[int], float]],
+            params: DecodeParams) -> list[Hypothesis]:
+    hyps = [(seq, cum, _score(seq, cum, params, True)) for seq, cum in finished]
+    hyps += [(seq, cum, _score(seq, cum, params)) for seq, cum in live]
+    ranked = sorted(hyps, key=lambda h: h[2], reverse=True)
     if params.n is not None:
         ranked = ranked[: params.n]
-    return [Hypothesis(tuple(seq[len(prompt):]), cum, _score(seq, cum, params)) for seq, cum in ranked]
+    return [Hypothesis(tuple(seq[len(prompt):]), cum, score) for seq, cum, score in ranked]
 
 
-def _finishes(token: int, params: DecodeParams) -> bool:
-    return token == params.eos_token_id and not params.ignore_eos
+def _finishes(token: int, params: DecodeParams, generated: Sequence[int] = ()) -> bool:
+    """EOS (unless ignore_eos), a stop token, or a token that completes a stop string after ``generated``."""
+    return ((token == params.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids
+            or (params.stop_fn is not None and params.stop_fn(generated, token)))
 
 
 def _vocab_size(target_fn: LogitsFn, draft_fn: LogitsFn | None, prompt: Sequence[int]) -> int:
@@ -174,9 +195,9 @@ def beam_sampling(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]], params:
                 beam, token = divmod(index, vocab)
                 seq, cum = live[beam]
                 item = (seq + [token], cum + logprobs[beam, token].item())
-                (finished if _finishes(token, params) else new_live).append(item)
+                (finished if _finishes(token, params, seq[len(prompt):]) else new_live).append(item)
             live = new_live
-        results.append(_ranked(prompt, finished + live, params))
+        results.append(_ranked(prompt, finished, live, params))
     return results
 
 
@@ -202,10 +223,10 @@ def beam_search(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]], params: D
             for (seq, cum), row in zip(beams, rows):
                 for token in sorted(range(len(row)), key=lambda t: (-row[t], t))[: 2 * width]:
                     item = (seq + [token], cum + row[token])
-                    (completed if _finishes(token, params) else candidates).append(item)
+                    (completed if _finishes(token, params, seq[len(prompt):]) else candidates).append(item)
             candidates.sort(key=lambda h: _score(h[0], h[1], params), reverse=True)
             beams = candidates[:width]
-        ranked = _ranked(prompt, completed + beams, params)
+        ranked = _ranked(prompt, completed, beams, params)
         results.append(ranked[:width])
     return results
 
@@ -239,7 +260,7 @@ def dsbd_decode(target_fn: LogitsFn, draft_fn: LogitsFn | None, prompts: Sequenc
         else:
             _greedy_iteration(target_fn, draft_fn, batch, params, vocab)
     return DecodeResult(
-        hypotheses=[_ranked(g.prompt, g.finished + g.live, params) for g in groups],
+        hypotheses=[_ranked(g.prompt, g.finished, g.live, params) for g in groups],
         num_passed=[g.num_passed for g in groups],
         widths=[g.widths for g in groups],
     )
@@ -292,10 +313,27 @@ def _extend(prev: list[list[list[int] | None]], parents: Tensor, tokens: Tensor,
 
 
 def _continues(tokens: Tensor, params: DecodeParams) -> Tensor:
-    """[...] bool: a node with this token can have children (not a finishing EOS)."""
-    if params.eos_token_id is None or params.ignore_eos:
-        return torch.ones_like(tokens, dtype=torch.bool)
-    return tokens != params.eos_token_id
+    """[...] bool: the draft grows a node with this token (not a finishing EOS or stop token; the draft
+    does not look for stop strings, as in the engine)."""
+    finishes, _ = finishing_tokens(tokens, params.eos_token_id, torch.tensor(params.ignore_eos),
+                                   params.stop_token_ids)
+    return ~finishes
+
+
+def _node_finishes(batch: list[_Group], layer_seqs: list[list[list[list[int] | None]]], params: DecodeParams):
+    """The :data:`verify.NodeFinishes` of ``params.stop_fn`` over the nodes' sequences (None without one)."""
+    if params.stop_fn is None:
+        return None
+
+    def finishes(layer: int, groups: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:
+        out = []
+        for g, row_parents, row_tokens in zip(groups.tolist(), parents.tolist(), tokens.tolist()):
+            seqs, prompt_len = layer_seqs[layer][g], len(batch[g].prompt)
+            out.append([seqs[p] is not None and params.stop_fn(seqs[p][prompt_len:], t)
+                        for p, t in zip(row_parents, row_tokens)])
+        return torch.tensor(out, dtype=torch.bool).reshape(tokens.shape)
+
+    return finishes
 
 
 def _sampling_iteration(target_fn: LogitsFn, draft_fn: LogitsFn | None, batch: list[_Group],
@@ -335,6 +373,7 @@ def _sampling_iteration(target_fn: LogitsFn, draft_fn: LogitsFn | None, batch: l
         target_lp, roots.scores, roots.valid, draft_joints, draft_parents, draft_tokens, draft_exists,
         roots.num_layers, torch.full((num_groups,), params.threshold), params.min_width, params.num_out,
         generator, top_k, top_p, params.eos_token_id, torch.full((num_groups,), params.ignore_eos),
+        params.stop_token_ids, _node_finishes(batch, layer_seqs, params),
     )
 
     num_passed, widths, accepted = res.num_passed.tolist(), res.widths.tolist(), res.accepted.tolist()
@@ -343,14 +382,18 @@ def _sampling_iteration(target_fn: LogitsFn, draft_fn: LogitsFn | None, batch: l
     out_count, num_layers = res.out_count.tolist(), roots.num_layers.tolist()
     for a, g in enumerate(batch):
         passed = num_passed[a]
-        for layer in range(passed):  # accepted EOS drafts of passed layers are finished
+        prompt_len = len(g.prompt)
+        for layer in range(passed):  # accepted finishing drafts of passed layers are finished
             for j in range(width):
-                if accepted[a][layer][j] and _finishes(d_tokens[a][layer][j], params):
-                    g.finished.append((layer_seqs[layer + 1][a][j], node_scores[a][layer][j]))
+                seq = layer_seqs[layer + 1][a][j]
+                if accepted[a][layer][j] and _finishes(d_tokens[a][layer][j], params, seq[prompt_len:-1]):
+                    g.finished.append((seq, node_scores[a][layer][j]))
         live = []
         for s in range(out_count[a]):
-            seq = layer_seqs[passed][a][out_parent[a][s]] + [out_token[a][s]]
-            (g.finished if _finishes(out_token[a][s], params) else live).append((seq, out_score[a][s]))
+            parent = layer_seqs[passed][a][out_parent[a][s]]
+            seq = parent + [out_token[a][s]]
+            finishes = _finishes(out_token[a][s], params, parent[prompt_len:])
+            (g.finished if finishes else live).append((seq, out_score[a][s]))
         g.live = live
         g.num_generated += passed + 1
         g.num_passed.append(passed)
@@ -374,7 +417,7 @@ def _greedy_iteration(target_fn: LogitsFn, draft_fn: LogitsFn | None, batch: lis
         need = node_ok[-1] & (roots.num_layers >= i)[:, None]
         q_lp = _node_logprobs(draft_fn, [layer_seqs[-1]], need[:, None], vocab, 0.0)[:, 0]
         step = beam_search_step(q_lp, draft_scores, need, seq_lens + i - 1, width, params.eos_token_id,
-                                ignore_eos, length_penalty)
+                                ignore_eos, length_penalty, params.stop_token_ids)
         exists = step.valid & need.any(-1)[:, None]
         draft_parents[:, i - 1], draft_tokens[:, i - 1], draft_exists[:, i - 1] = step.parents, step.tokens, exists
         draft_scores = step.cum_logprobs
@@ -383,19 +426,21 @@ def _greedy_iteration(target_fn: LogitsFn, draft_fn: LogitsFn | None, batch: lis
 
     target_lp = _node_logprobs(target_fn, layer_seqs, torch.stack(node_ok, 1), vocab, 0.0)
     res = verify_forest_greedy(target_lp, roots.scores, roots.valid, draft_parents, draft_tokens, draft_exists,
-                               roots.num_layers, seq_lens, width, params.eos_token_id, ignore_eos, length_penalty)
+                               roots.num_layers, seq_lens, width, params.eos_token_id, ignore_eos, length_penalty,
+                               params.stop_token_ids, _node_finishes(batch, layer_seqs, params))
 
     num_passed = res.num_passed.tolist()
     fin_parent, fin_cum = res.finished_parent.tolist(), res.finished_cum_logprob.tolist()
-    fin_valid = res.finished_valid.tolist()
+    fin_valid, fin_token = res.finished_valid.tolist(), res.finished_token.tolist()
     out_parent, out_token, out_cum, out_valid = (
         res.out_parent.tolist(), res.out_token.tolist(), res.out_cum_logprob.tolist(), res.out_valid.tolist())
     for a, g in enumerate(batch):
         passed = num_passed[a]
-        for step_i in range(passed + 1):  # every step's EOS hypotheses, in vLLM's order
-            for p, cum, ok in zip(fin_parent[a][step_i], fin_cum[a][step_i], fin_valid[a][step_i]):
+        for step_i in range(passed + 1):  # every step's EOS / stop-token hypotheses, in vLLM's order
+            for p, cum, ok, t in zip(fin_parent[a][step_i], fin_cum[a][step_i], fin_valid[a][step_i],
+                                     fin_token[a][step_i]):
                 if ok:
-                    g.finished.append((layer_seqs[step_i][a][p] + [params.eos_token_id], cum))
+                    g.finished.append((layer_seqs[step_i][a][p] + [t], cum))
         g.live = [(layer_seqs[passed][a][p] + [t], cum)
                   for p, t, cum, ok in zip(out_parent[a], out_token[a], out_cum[a], out_valid[a]) if ok]
         g.num_generated += passed + 1

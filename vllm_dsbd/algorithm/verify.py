@@ -51,14 +51,12 @@ Decisions where ALGORITHM.md leaves room:
   draft, one per output slot), per bonus layer ``W_out``. With one generator
   per group, a group's results do not depend on the rest of the batch.
 
-Deterministic mode (``T = 0``) is :func:`verify_forest_greedy`: at each layer
-the target's own beam-search step (``joint.beam_search_step``, vLLM's rule)
-is computed from the parents' target log-probs; the layer passes iff every
-new beam is a draft node of that layer (same parent, same token).
+Deterministic mode (``T = 0``) is :func:`.verify_greedy.verify_forest_greedy`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +64,7 @@ from torch import Tensor
 
 from vllm_dsbd.algorithm.joint import (
     Generators,
-    beam_search_step,
+    finishing_tokens,
     joint_probs,
     sample_from_uniforms,
     uniforms,
@@ -132,11 +130,20 @@ def _next_rejections(rejections: Tensor, accepted: Tensor, rejected: Tensor) -> 
     return torch.where(accepted, 0, torch.where(rejected, rejections + 1, rejections))
 
 
-def _next_parents(accepted: Tensor, tokens: Tensor, eos_token_id: int | None, ignore_eos: Tensor) -> Tensor:
-    """Valid parents of the next layer: accepted drafts that did not finish. [G, W] bool."""
-    if eos_token_id is None:
-        return accepted
-    return accepted & ((tokens != eos_token_id) | ignore_eos[:, None])
+NodeFinishes = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+"""``(layer, groups, parents, tokens) -> finishes``: groups [R] (batch rows), parents [R, N] slots of nodes
+in ``layer`` (0: the input beams), tokens [R, N]; true where the parent's text with the token completes a
+stop string (the child finishes as EOS does)."""
+
+
+def _next_parents(accepted: Tensor, tokens: Tensor, eos_token_id: int | None, ignore_eos: Tensor,
+                  stop_token_ids: Sequence[int] = (), stop_strings: Tensor | None = None) -> Tensor:
+    """Valid parents of the next layer: accepted drafts that did not finish (EOS, a stop token, a stop
+    string where ``stop_strings`` [G, W] says so). [G, W] bool."""
+    finishes, _ = finishing_tokens(tokens, eos_token_id, ignore_eos[:, None], stop_token_ids)
+    if stop_strings is not None:
+        finishes = finishes | stop_strings
+    return accepted & ~finishes
 
 
 def acceptance_count_distribution(alpha: Tensor) -> Tensor:
@@ -330,6 +337,8 @@ def verify_forest(
     top_p: Tensor | None = None,
     eos_token_id: int | None = None,
     ignore_eos: Tensor | None = None,
+    stop_token_ids: Sequence[int] = (),
+    finishes_fn: NodeFinishes | None = None,
 ) -> ForestVerification:
     """Verify one DSBD iteration of many groups (sampling mode, ``T > 0``).
 
@@ -401,8 +410,10 @@ def verify_forest(
         active[rows[failed]] = False
         passed = rows[res.passed]
         out.num_passed[passed] = i
+        stop_strings = None if finishes_fn is None else finishes_fn(
+            layer, passed, draft_parents[passed, layer], draft_tokens[passed, layer])
         parent_valid[passed] = _next_parents(res.accepted[res.passed], draft_tokens[passed, layer], eos_token_id,
-                                             ignore_eos[passed])
+                                             ignore_eos[passed], stop_token_ids, stop_strings)
         parent_scores[passed] = out.node_scores[passed, layer]
         active[passed] = parent_valid[passed].any(-1)
     return out
@@ -417,105 +428,3 @@ def _generators(generator: Generators, rows: Tensor) -> Generators:
     if isinstance(generator, torch.Generator):
         return generator
     return [generator[r] for r in rows.tolist()]
-
-
-@dataclass
-class GreedyForestVerification:
-    """Result of :func:`verify_forest_greedy` (deterministic mode).
-
-    Step ``i`` (1-based) of the iteration computes the target's beams at depth
-    ``i``; steps ``1..num_passed + 1`` happened. The output beams are those of
-    step ``num_passed + 1``, best first, as ``(node of layer num_passed, token)``.
-    """
-
-    num_passed: Tensor  # [G]
-    out_parent: Tensor  # [G, W]
-    out_token: Tensor  # [G, W]
-    out_cum_logprob: Tensor  # [G, W] float64
-    out_valid: Tensor  # [G, W] bool
-    beam_nodes: Tensor  # [G, γ, W] draft node of the target's k-th beam after each passed layer, -1 if none
-    finished_parent: Tensor  # [G, γ+1, F] EOS hypotheses of each step: parent node of layer i-1
-    finished_cum_logprob: Tensor  # [G, γ+1, F] float64
-    finished_valid: Tensor  # [G, γ+1, F] bool, in vLLM's insertion order
-
-
-def verify_forest_greedy(
-    target_logprobs: Tensor,
-    root_scores: Tensor,
-    root_valid: Tensor,
-    draft_parents: Tensor,
-    draft_tokens: Tensor,
-    draft_exists: Tensor,
-    num_layers: Tensor,
-    seq_lens: Tensor,
-    beam_width: int,
-    eos_token_id: int | None,
-    ignore_eos: Tensor,
-    length_penalty: Tensor,
-) -> GreedyForestVerification:
-    """Lossless speculative beam search: the target's beam search, steps checked against the forest.
-
-    target_logprobs: [G, γ+1, W, V] raw target log-probs at layer-0 nodes
-        (the current beams, in their beam order) and at each draft layer's nodes.
-    root_scores: [G, W] float64 cumulative log-probs; root_valid: [G, W] bool.
-    draft_parents, draft_tokens, draft_exists: [G, γ, W] (drafts of a beam
-        search in the draft; parents index layer i-1 nodes).
-    num_layers: [G] draft layers usable (<= γ). seq_lens: [G] current beam length
-        (prompt + generated). ignore_eos: [G] bool. length_penalty: [G].
-
-    Step ``i`` is :func:`joint.beam_search_step` on the target's beams after
-    step ``i-1``. If ``i <= num_layers`` and each new beam equals a draft node
-    of layer ``i`` (same parent node, same token), the drafts' target log-probs
-    give step ``i+1``; otherwise the iteration ends with step ``i``'s beams.
-    Every step's EOS hypotheses are reported, whether or not it passed.
-    """
-    num_groups, depth, width_max, vocab = target_logprobs.shape
-    gamma = depth - 1
-    device = target_logprobs.device
-    beam_nodes = torch.full((num_groups, gamma, width_max), -1, dtype=torch.long, device=device)
-    order = torch.arange(width_max, device=device).expand(num_groups, -1).clone()  # node of the k-th beam
-    scores = root_scores.double().clone()
-    valid = root_valid.clone()
-    active = torch.ones(num_groups, dtype=torch.bool, device=device)
-    num_passed = torch.zeros(num_groups, dtype=torch.long, device=device)
-    out_parent = torch.zeros((num_groups, width_max), dtype=torch.long, device=device)
-    out_token = torch.zeros_like(out_parent)
-    out_cum = torch.full((num_groups, width_max), float("-inf"), dtype=torch.float64, device=device)
-    out_valid = torch.zeros((num_groups, width_max), dtype=torch.bool, device=device)
-    fin_parent, fin_cum, fin_valid = [], [], []
-    for i in range(1, gamma + 2):
-        lp = target_logprobs[:, i - 1].gather(1, order[:, :, None].expand(-1, -1, vocab))
-        step = beam_search_step(lp, scores, valid & active[:, None], seq_lens + i - 1, beam_width,
-                                eos_token_id, ignore_eos, length_penalty)
-        fin_parent.append(order.gather(1, step.finished_parents))
-        fin_cum.append(step.finished_cum_logprobs)
-        fin_valid.append(step.finished_valid)
-        new_parent_nodes = order.gather(1, step.parents)  # [G, W]
-        if i <= gamma:
-            layer = i - 1
-            match = (
-                draft_exists[:, layer, None, :]
-                & (draft_parents[:, layer, None, :] == new_parent_nodes[:, :, None])
-                & (draft_tokens[:, layer, None, :] == step.tokens[:, :, None])
-            )  # [G, beam k, draft j]
-            found = match.any(-1)
-            passed = active & (num_layers >= i) & step.valid.any(-1) & (found | ~step.valid).all(-1)
-        else:
-            passed = torch.zeros_like(active)
-        ending = active & ~passed
-        out_parent = torch.where(ending[:, None], new_parent_nodes, out_parent)
-        out_token = torch.where(ending[:, None], step.tokens, out_token)
-        out_cum = torch.where(ending[:, None], step.cum_logprobs, out_cum)
-        out_valid = torch.where(ending[:, None], step.valid, out_valid)
-        num_passed = torch.where(passed, i, num_passed)
-        if i <= gamma:
-            nodes = torch.where(step.valid, match.to(torch.uint8).argmax(-1), -1)
-            beam_nodes[:, i - 1] = torch.where(passed[:, None], nodes, -1)
-            order = torch.where(passed[:, None], nodes.clamp_min(0), order)
-            scores = torch.where(passed[:, None], step.cum_logprobs, scores)
-            valid = torch.where(passed[:, None], step.valid, valid)
-        active = passed
-    return GreedyForestVerification(
-        num_passed, out_parent, out_token, out_cum, out_valid, beam_nodes,
-        torch.stack(fin_parent, 1), torch.stack(fin_cum, 1), torch.stack(fin_valid, 1),
-    )

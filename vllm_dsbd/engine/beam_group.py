@@ -27,10 +27,10 @@ the ``k`` accepted path tokens, then the forks of its other children, then
 its own new token.
 
 Finishing and ranking follow vLLM 0.32.0's built-in beam search: a hypothesis
-ending in EOS (unless ``ignore_eos``) finishes; the group ends after
+ending in EOS (unless ``ignore_eos``) or in a stop token finishes; the group ends after
 ``max_tokens`` steps or when no live beam is left; finished and live
 hypotheses are ranked together by ``cum / max(len, 1) ** length_penalty``
-(``len`` = prompt + generated tokens, minus one for a final EOS), stable, and
+(``len`` = prompt + generated tokens, minus one for a final EOS or stop token), stable, and
 the best ``n`` are returned.
 """
 
@@ -48,6 +48,13 @@ from vllm_dsbd.engine.protocol import (
     VerifyDecision,
     VerifyStep,
 )
+from vllm_dsbd.engine.stops import tail_length
+
+
+def request_slots(width: int, gamma: int) -> int:
+    """Request slots a beam group may hold at once: W beams; with speculation (depth γ) W draft nodes
+    and up to W (γ + 1) verification paths besides."""
+    return width if gamma == 0 else width * (gamma + 3)
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,8 @@ class BeamParams:
     min_width: int = 1
     memory_efficient: bool = False
     auto_depth: bool = False  # γ of each iteration chosen by the scheduler (algorithm.depth), at most num_speculative_tokens
+    stop_token_ids: tuple[int, ...] = ()  # SamplingParams.stop_token_ids: finish like EOS, even with ignore_eos
+    stop: tuple[str, ...] = ()  # SamplingParams.stop: a beam whose generated text reaches one finishes like EOS
 
     @property
     def finishing_token(self) -> int | None:
@@ -89,7 +98,7 @@ class Hypothesis:
     tokens: tuple[int, ...]  # generated tokens, a final EOS included
     cum_score: float
     logprobs: tuple[TokenLogprob, ...]
-    finish_reason: str  # "stop" (EOS) or "length"
+    finish_reason: str  # "stop" (EOS, a stop token), "stop_string" or "length"
     score: float  # length-normalised (vLLM's get_beam_search_score)
 
 
@@ -205,7 +214,7 @@ class BeamGroup:
         return len(self.layers) < self.num_draft_layers
 
     def _finishes(self, token: int) -> bool:
-        return token == self.params.finishing_token
+        return token == self.params.finishing_token or token in self.params.stop_token_ids
 
     def draft_parents(self) -> list[tuple[int, Any, float]]:
         """(slot, request, path score) of the nodes the next draft layer grows from."""
@@ -296,7 +305,7 @@ class BeamGroup:
             draft_exists=tuple(map(tuple, exists)),
             seq_len=self.prompt_len + self.num_generated, num_out=1 if p.memory_efficient else width,
             width_threshold=1.0 if p.temperature == 0 else p.width_threshold, min_width=p.min_width,
-            num_logprobs=p.num_logprobs,
+            num_logprobs=p.num_logprobs, tails=self.tails(self.beams),
         )
 
     def node_path(self, node: int) -> tuple[int, list[int]]:
@@ -322,7 +331,7 @@ class BeamGroup:
             root, tokens = self.node_path(c.parent)
             beam = self.beams[root]
             self.finished.append(self._hypothesis(beam.tokens + tokens + [c.token], c.score,
-                                                  beam.logprobs + list(c.logprobs), "stop"))
+                                                  beam.logprobs + list(c.logprobs), self._finish_reason(c.token)))
         children: dict[int, list[int]] = {}
         for k, c in enumerate(decision.beams):
             children.setdefault(c.parent, []).append(k)
@@ -366,7 +375,15 @@ class BeamGroup:
         p = self.params
         return dict(group_id=self.group_id, beam_width=p.beam_width, temperature=p.temperature, top_k=p.top_k,
                     top_p=p.top_p, length_penalty=p.length_penalty, ignore_eos=p.ignore_eos,
-                    eos_token_id=p.eos_token_id, seed=p.seed, step=self.step)
+                    eos_token_id=p.eos_token_id, stop_token_ids=p.stop_token_ids, seed=p.seed, step=self.step,
+                    stop=p.stop)
+
+    def tails(self, beams: list[Beam]) -> tuple[tuple[int, ...], ...]:
+        """The last generated tokens of ``beams`` the runner needs to check stop strings (none without)."""
+        if not self.params.stop:
+            return ()
+        keep = tail_length(self.params.stop)
+        return tuple(tuple(b.tokens[-keep:]) for b in beams)
 
     def plan(self) -> GroupStep:
         return GroupStep(
@@ -375,6 +392,7 @@ class BeamGroup:
             scores=tuple(b.score for b in self.beams),
             seq_len=self.prompt_len + self.num_generated,
             num_logprobs=self.params.num_logprobs,
+            tails=self.tails(self.beams),
         )
 
     def apply(self, decision: GroupDecision) -> StepEffects:
@@ -385,7 +403,7 @@ class BeamGroup:
         for choice in decision.finished:
             parent = beams[choice.parent]
             self.finished.append(self._hypothesis(parent.tokens + [choice.token], choice.score,
-                                                  parent.logprobs + [choice.logprob], "stop"))
+                                                  parent.logprobs + [choice.logprob], self._finish_reason(choice.token)))
         children: dict[int, list[int]] = {}
         for k, choice in enumerate(decision.beams):
             if not 0 <= choice.parent < len(beams):
@@ -415,10 +433,14 @@ class BeamGroup:
         self.step += 1
         return effects
 
+    def _finish_reason(self, token: int) -> str:
+        """"stop" for EOS or a stop token; "stop_string" for a token that completed a stop string."""
+        return "stop" if self._finishes(token) else "stop_string"
+
     def _hypothesis(self, tokens: list[int], cum: float, logprobs: list[TokenLogprob], reason: str) -> Hypothesis:
         length = self.prompt_len + len(tokens)
-        if tokens and tokens[-1] == self.params.eos_token_id:
-            length -= 1
+        if tokens and (reason != "length" or tokens[-1] == self.params.eos_token_id):
+            length -= 1  # a finished hypothesis, or a live beam ending in EOS (ignore_eos), as vLLM scores
         score = cum / (max(length, 1) ** self.params.length_penalty)
         return Hypothesis(tuple(tokens), cum, tuple(logprobs), reason, score)
 

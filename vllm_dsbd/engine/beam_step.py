@@ -5,10 +5,13 @@ without an engine. For each group (a :class:`~vllm_dsbd.engine.protocol.GroupSte
 
 - ``temperature == 0``: vLLM 0.32.0's beam-search step
   (:func:`vllm_dsbd.algorithm.beam_search_step`) on the raw log-probs; EOS
-  candidates among each beam's top ``2W`` become finished hypotheses.
+  candidates among each beam's top ``2W`` become finished hypotheses (so do
+  stop-token candidates, ``GroupDecoding.stop_token_ids``).
 - ``temperature > 0``: beam sampling (ALGORITHM.md): ``W`` draws with
   replacement from the joint ``P(b, v) ∝ exp(S_b) softmax(logits_b / T)(v)``
-  with top-k/top-p on the joint; draws of EOS (unless ``ignore_eos``) finish.
+  with top-k/top-p on the joint; draws of EOS (unless ``ignore_eos``) or of a
+  stop token finish, and so do draws that complete a stop string
+  (``engine.stops``: the group's ``stop`` checked on its beams' ``tails``).
 
 Each group draws from its own generator seeded from ``(seed, step)``, so
 every tensor-parallel rank decides identically and a group's result does not
@@ -26,8 +29,10 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from vllm_dsbd.algorithm import beam_search_step, joint_probs, sample_joint, tempered_logprobs
-from vllm_dsbd.engine.protocol import BeamChoice, GroupDecision, GroupStep, TokenLogprob
+from vllm_dsbd.algorithm import beam_search_step, finishing_tokens, joint_probs, sample_joint, tempered_logprobs
+from vllm_dsbd.algorithm.joint import CandidateFinishes
+from vllm_dsbd.engine.protocol import BeamChoice, GroupDecision, GroupDecoding, GroupStep, TokenLogprob
+from vllm_dsbd.engine.stops import StopCheckers
 
 
 def group_generator(seed: int, step: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -37,21 +42,39 @@ def group_generator(seed: int, step: int, device: torch.device | str = "cpu") ->
     return g
 
 
-def decide(logits: Tensor, row_of: Mapping[str, int], groups: Sequence[GroupStep]) -> dict[str, GroupDecision]:
+def decide(logits: Tensor, row_of: Mapping[str, int], groups: Sequence[GroupStep],
+           stops: StopCheckers | None = None) -> dict[str, GroupDecision]:
     """Next beams of every group.
 
     logits: [num_rows, V] next-token logits of this step's rows (any float dtype).
-    row_of: internal request id -> row of ``logits``.
+    row_of: internal request id -> row of ``logits``. stops: the stop-string
+    checkers (needed by groups with stop strings).
     """
     out = {}
     for g in groups:
         rows = torch.tensor([row_of[r] for r in g.req_ids], device=logits.device)
         group_logits = logits.index_select(0, rows).float()  # [B, V]
+        finishes = beam_finishes(g, stops)
         if g.temperature == 0:
-            out[g.group_id] = _search_step(group_logits, g)
+            out[g.group_id] = _search_step(group_logits, g, finishes)
         else:
-            out[g.group_id] = _sampling_step(group_logits, g)
+            out[g.group_id] = _sampling_step(group_logits, g, finishes)
     return out
+
+
+def beam_finishes(g: GroupDecoding, stops: StopCheckers | None) -> CandidateFinishes | None:
+    """``(beam, token) -> completes a stop string`` over the tails of ``g``'s beams; None without stop strings."""
+    if not g.stop:
+        return None
+    if stops is None:
+        raise RuntimeError(f"beam group {g.group_id} has stop strings but the runner has no stop checkers")
+    checker = stops.get(g.stop)
+
+    def finishes(beams: Tensor, tokens: Tensor) -> Tensor:
+        flags = [checker.completes(g.tails[b], t) for b, t in zip(beams.flatten().tolist(), tokens.flatten().tolist())]
+        return torch.tensor(flags, dtype=torch.bool, device=tokens.device).reshape(tokens.shape)
+
+    return finishes
 
 
 def row_tokens(decision: GroupDecision, num_beams: int) -> list[int | None]:
@@ -63,7 +86,7 @@ def row_tokens(decision: GroupDecision, num_beams: int) -> list[int | None]:
     return tokens
 
 
-def _search_step(logits: Tensor, g: GroupStep) -> GroupDecision:
+def _search_step(logits: Tensor, g: GroupStep, finishes: CandidateFinishes | None) -> GroupDecision:
     raw = torch.log_softmax(logits, dim=-1)  # [B, V]
     num_beams = raw.shape[0]
     step = beam_search_step(
@@ -75,15 +98,16 @@ def _search_step(logits: Tensor, g: GroupStep) -> GroupDecision:
         g.eos_token_id,
         torch.tensor([g.ignore_eos]),
         torch.tensor([g.length_penalty], dtype=torch.float64),
+        g.stop_token_ids,
+        finishes,
     )
     beams = _choices(raw, step.parents[0], step.tokens[0], step.cum_logprobs[0], step.valid[0], g.num_logprobs)
-    eos = torch.full_like(step.finished_parents[0], -1 if g.eos_token_id is None else g.eos_token_id)
-    finished = _choices(raw, step.finished_parents[0], eos, step.finished_cum_logprobs[0],
+    finished = _choices(raw, step.finished_parents[0], step.finished_tokens[0], step.finished_cum_logprobs[0],
                         step.finished_valid[0], g.num_logprobs)
     return GroupDecision(g.group_id, beams, finished)
 
 
-def _sampling_step(logits: Tensor, g: GroupStep) -> GroupDecision:
+def _sampling_step(logits: Tensor, g: GroupStep, finishes: CandidateFinishes | None) -> GroupDecision:
     tempered = tempered_logprobs(logits, g.temperature)  # [B, V]
     num_beams, vocab = tempered.shape
     scores = torch.tensor([g.scores], dtype=torch.float64)
@@ -92,9 +116,9 @@ def _sampling_step(logits: Tensor, g: GroupStep) -> GroupDecision:
     draws = sample_joint(probs, g.beam_width, group_generator(g.seed, g.step, logits.device))[0]  # [W]
     parents, tokens = draws // vocab, draws % vocab
     new_scores = scores[0, parents] + tempered[parents, tokens].double()
-    ends = torch.zeros_like(tokens, dtype=torch.bool)
-    if g.eos_token_id is not None and not g.ignore_eos:
-        ends = tokens == g.eos_token_id
+    ends, _ = finishing_tokens(tokens, g.eos_token_id, torch.tensor(g.ignore_eos), g.stop_token_ids)
+    if finishes is not None:
+        ends = ends | finishes(parents[None], tokens[None])[0]
     raw = torch.log_softmax(logits, dim=-1)
     beams = _choices(raw, parents, tokens, new_scores, ~ends, g.num_logprobs)
     finished = _choices(raw, parents, tokens, new_scores, ends, g.num_logprobs)

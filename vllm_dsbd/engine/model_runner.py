@@ -41,6 +41,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_dsbd.engine import beam_step, spec_step
 from vllm_dsbd.engine.protocol import PLAN_ATTR, RESULT_ATTR, StepPlan, StepResult
+from vllm_dsbd.engine.stops import StopCheckers
 
 
 class DSBDModelRunnerMixin:
@@ -54,10 +55,18 @@ class DSBDModelRunnerMixin:
         self._dsbd_drafts = spec_step.DraftStore()
         self._dsbd_digest = hashlib.sha256()
         self._dsbd_profile = StepProfile()
+        self._dsbd_stops = StopCheckers(self._dsbd_decode)
         if hasattr(self, "drafter"):
             # vLLM asks the proposer whether its model returns (hidden, aux) tuples by method
             # name; "dsbd" runs a plain causal LM like "draft_model".
             self.drafter.model_returns_tuple = lambda: False
+
+    def _dsbd_decode(self):
+        """The target tokenizer's decode, loaded on the first beam request with stop strings."""
+        from vllm.tokenizers import cached_tokenizer_from_config
+
+        tokenizer = cached_tokenizer_from_config(self.model_config)
+        return lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -118,7 +127,7 @@ class DSBDModelRunnerMixin:
                 for rid in ds.req_ids:  # parent nodes keep their tokens; children are forks
                     discard[req_index[rid]] = True
         else:
-            result.decisions = beam_step.decide(logits, last_row, plan.groups)
+            result.decisions = beam_step.decide(logits, last_row, plan.groups, self._dsbd_stops)
             for step in plan.groups:
                 tokens = beam_step.row_tokens(result.decisions[step.group_id], len(step.req_ids))
                 for rid, token in zip(step.req_ids, tokens):
@@ -131,7 +140,7 @@ class DSBDModelRunnerMixin:
                     num_layers = len(vs.draft_parents)
                     joints = (self._dsbd_drafts.take(vs.group_id, vs.step, num_layers) if num_layers
                               else torch.zeros((0, vs.beam_width * logits.shape[-1])))
-                decision = spec_step.verify(path_logits, vs, joints)
+                decision = spec_step.verify(path_logits, vs, joints, self._dsbd_stops)
                 result.verify_decisions[vs.group_id] = decision
                 for i, tokens in zip(rows, _path_row_tokens(vs, decision)):
                     _set_row(sampled, discard, i, tokens)

@@ -424,7 +424,9 @@ def check_same_vocabulary(config: Any) -> None:
 #            the scheduler must learn a group's size n (vLLM fans n > 1 out
 #            into n engine requests) and the tokenizer's EOS id.
 #   how:     on a DSBD engine, validate the user's SamplingParams of a beam
-#            request (engine.requests.validate), run the original, then add
+#            request (engine.requests.validate) and refuse a plain request
+#            whose extra_args name a near-miss of a DSBD knob
+#            (engine.requests.check_knob_typos), run the original, then add
 #            the private extra_args key engine.requests.GROUP_TAG to the
 #            request's (cloned) params.
 #   remove-when: vLLM grows beam groups of its own.
@@ -440,24 +442,18 @@ def _validate_beam_requests() -> None:
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
         engine = DSBDConfig.from_vllm_config(self.vllm_config)
         beam = isinstance(params, SamplingParams) and beam_requests.is_beam_request(params)
+        if engine is not None and isinstance(params, SamplingParams) and not beam:
+            beam_requests.check_knob_typos(params.extra_args)  # {"beam_widht": 4} is no plain request
         if beam and engine is None:
             if params.n > 1 and params.temperature < 1e-5:
                 _original(SamplingParams, "_verify_greedy_sampling")(params)  # vLLM's own error
             beam = False  # DSBD knobs mean nothing to other engines, as before the plugin
         if beam:
             config = beam_requests.validate(params, engine)
-            max_seqs = self.vllm_config.scheduler_config.max_num_seqs
-            if config.beam_width > max_seqs:
-                raise beam_requests.BeamRequestError(f"DSBD knob 'beam_width'={config.beam_width} is larger than the engine's "
-                                 f"max_num_seqs={max_seqs} (every beam is a sequence); allowed: <= {max_seqs}.")
+            beam_requests.check_capacity(config, self.vllm_config.scheduler_config.max_num_seqs)
         request = original(self, request_id, prompt, params, *args, **kwargs)
         if beam:
             sp = request.sampling_params
-            if sp.stop_token_ids:
-                raise beam_requests.BeamRequestError(
-                    f"Beam decoding (vllm-dsbd) supports one EOS token; this model's generation config "
-                    f"adds stop tokens {sp.stop_token_ids}."
-                )
             tag = {"n": sp.n, "eos": self.renderer.get_eos_token_id()}
             sp.extra_args = {**(sp.extra_args or {}), beam_requests.GROUP_TAG: tag}
         return request

@@ -33,6 +33,11 @@ class GroupDecoding:
     length_penalty: float
     ignore_eos: bool
     eos_token_id: int | None
+    stop_token_ids: tuple[int, ...] = field(default=(), kw_only=True)  # finish like EOS, even with ignore_eos
+    stop: tuple[str, ...] = field(default=(), kw_only=True)  # stop strings (engine.stops): finish like EOS
+    tails: tuple[tuple[int, ...], ...] = field(default=(), kw_only=True)
+    """With ``stop``: the last generated tokens (engine.stops.tail_length) of each beam (GroupStep,
+    VerifyStep: of each root slot) or of each parent node (DraftStep: unused)."""
     seed: int  # with `step`, seeds the group's generator (the same on every tensor-parallel rank)
     step: int  # the group's beam step (GroupStep) or DSBD iteration (DraftStep, VerifyStep)
 

@@ -22,7 +22,7 @@ from typing import Any
 from vllm.exceptions import VLLMValidationError
 
 from vllm_dsbd.config import PRIVATE_PREFIX, VLLM_RESERVED_EXTRA_ARGS, DSBDConfig
-from vllm_dsbd.engine.beam_group import BeamParams
+from vllm_dsbd.engine.beam_group import BeamParams, request_slots
 
 #: Private ``extra_args`` key added by the front-end: ``{"n": n, "eos": eos_token_id}``.
 GROUP_TAG = f"{PRIVATE_PREFIX}_group"
@@ -34,8 +34,6 @@ _UNSUPPORTED: tuple[tuple[str, Any], ...] = (
     ("repetition_penalty", 1.0),
     ("min_p", 0.0),
     ("min_tokens", 0),
-    ("stop", []),
-    ("stop_token_ids", []),
     ("bad_words", []),
     ("logit_bias", None),
     ("allowed_token_ids", None),
@@ -69,12 +67,56 @@ def _unknown_keys(extra_args: Mapping[str, Any]) -> list[str]:
                   if k not in names and k not in VLLM_RESERVED_EXTRA_ARGS and not k.startswith(PRIVATE_PREFIX))
 
 
+def _edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance with adjacent transpositions (``widht`` -> ``width`` is 1)."""
+    prev2, prev = None, list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        row = [i]
+        for j, cb in enumerate(b, 1):
+            cost = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if prev2 is not None and i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cost = min(cost, prev2[j - 2] + 1)
+            row.append(cost)
+        prev2, prev = prev, row
+    return prev[-1]
+
+
+def resembled_knob(key: str) -> str | None:
+    """The DSBD knob ``key`` is probably a typo of (a different case, or at most 2 edits away), or None.
+
+    Keys shorter than 5 characters are never taken for typos: a short key
+    other code owns is more likely than a knob name mangled that far.
+    """
+    names = DSBDConfig.knob_names()
+    if key in names or len(key) < 5:
+        return None
+    folded = key.lower().replace("-", "_")
+    best = min(names, key=lambda name: _edit_distance(folded, name))
+    return best if _edit_distance(folded, best) <= 2 else None
+
+
+def check_knob_typos(extra_args: Mapping[str, Any] | None) -> None:
+    """Refuse a request (beam or plain) whose extra_args hold a near-miss of a DSBD knob name.
+
+    Without this a typo such as ``{"beam_widht": 4}`` would silently make a
+    plain request. Keys vLLM or other plugins own pass unless they resemble a knob.
+    """
+    typos = {k: knob for k in (extra_args or {}) if not k.startswith(PRIVATE_PREFIX)
+             and k not in VLLM_RESERVED_EXTRA_ARGS and (knob := resembled_knob(k))}
+    if typos:
+        named = "; ".join(f"{k!r} resembles DSBD knob {knob!r} (did you mean {knob!r}?)" for k, knob in typos.items())
+        raise BeamRequestError(
+            f"Unknown key(s) {sorted(typos)} in extra_args (vllm_xargs): {named}. "
+            f"DSBD knobs: {', '.join(DSBDConfig.knob_names())}.", parameter="extra_args", value=sorted(typos))
+
+
 def validate(params: Any, engine: DSBDConfig) -> DSBDConfig:
     """Check a beam request's user-given SamplingParams; return its DSBD config.
 
     Raises :class:`BeamRequestError` naming the parameter, its value and what is allowed.
     """
     extra = params.extra_args or {}
+    check_knob_typos(extra)
     unknown = _unknown_keys(extra)
     if unknown:
         raise BeamRequestError(
@@ -99,6 +141,25 @@ def validate(params: Any, engine: DSBDConfig) -> DSBDConfig:
             f"SamplingParams.n={params.n} is larger than DSBD knob 'beam_width'={config.beam_width}; "
             f"allowed: 1 <= n <= beam_width (n is the number of best hypotheses returned).", parameter="n")
     return config
+
+
+def check_capacity(config: DSBDConfig, max_num_seqs: int) -> None:
+    """Refuse a beam request whose group could never run: it needs request slots for all its beams
+    (and, speculating, its draft nodes and verification paths) at once."""
+    width, gamma = config.beam_width, config.num_speculative_tokens
+    needed = request_slots(width, gamma)
+    if needed <= max_num_seqs:
+        return
+    if gamma == 0:
+        raise BeamRequestError(f"DSBD knob 'beam_width'={width} is larger than the engine's max_num_seqs="
+                               f"{max_num_seqs} (every beam is a sequence); allowed: <= {max_num_seqs}.",
+                               parameter="beam_width", value=width)
+    raise BeamRequestError(
+        f"DSBD knob 'beam_width'={width} with 'num_speculative_tokens'={gamma} needs up to {needed} sequences "
+        f"at once (W beams, W draft nodes and W (γ + 1) verification paths), more than the engine's "
+        f"max_num_seqs={max_num_seqs}; allowed: beam_width * (num_speculative_tokens + 3) <= {max_num_seqs}, "
+        f"or num_speculative_tokens 0 (beam_width <= {max_num_seqs}); or start the engine with "
+        f"max_num_seqs >= {needed}.", parameter="beam_width", value=width)
 
 
 def group_of(request_id: str, extra_args: Mapping[str, Any]) -> tuple[str, int, int]:
@@ -130,6 +191,8 @@ def beam_params(params: Any, engine: DSBDConfig, *, prompt_len: int, max_model_l
         max_tokens=max(1, min(int(params.max_tokens), max_model_len - prompt_len)),
         ignore_eos=bool(params.ignore_eos),
         eos_token_id=eos,
+        stop_token_ids=tuple(params.stop_token_ids or ()),  # the user's, plus a generation config's extra EOS
+        stop=tuple(params.stop or ()),
         num_logprobs=num_logprobs,
         seed=int(params.seed) if params.seed is not None else default_seed,
         num_speculative_tokens=config.num_speculative_tokens,

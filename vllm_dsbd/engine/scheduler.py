@@ -72,7 +72,9 @@ from vllm_dsbd.algorithm.depth import DepthPolicy
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.engine import metrics
 from vllm_dsbd.engine import requests as beam_requests
-from vllm_dsbd.engine.beam_group import BeamGroup, Extend, Fork, Free, Hypothesis, PathRequest, StepEffects
+from vllm_dsbd.engine.beam_group import (
+    BeamGroup, BeamParams, Extend, Fork, Free, Hypothesis, PathRequest, StepEffects, request_slots,
+)
 from vllm_dsbd.engine.protocol import PLAN_ATTR, RESULT_ATTR, StepPlan
 
 logger = init_logger(__name__)
@@ -288,10 +290,7 @@ class DSBDScheduler(Scheduler):
 
     @staticmethod
     def _slots(group: BeamGroup) -> int:
-        """Request slots a group may hold at once: W beams; with speculation W draft nodes and up to
-        W (γ + 1) paths besides."""
-        width, gamma = group.params.beam_width, group.params.num_speculative_tokens
-        return width if gamma == 0 else width * (gamma + 3)
+        return request_slots(group.params.beam_width, group.params.num_speculative_tokens)
 
     def _blocks_to_reserve(self, group: BeamGroup) -> int:
         """KV blocks a group may still claim: W beams growing to max_tokens, plus a tail copy each
@@ -642,12 +641,15 @@ class DSBDScheduler(Scheduler):
             if hyp is None:
                 user.status = RequestStatus.FINISHED_ABORTED
             else:
+                # A stop string is found again by the front-end's detokenizer, which truncates the text and
+                # reports "stop" with the string (engine.stops); it must see every token, so not "stop" here.
                 user.status = (RequestStatus.FINISHED_STOPPED if hyp.finish_reason == "stop"
                                else RequestStatus.FINISHED_LENGTH_CAPPED)
             eco = EngineCoreOutput(
                 request_id=uid,
                 new_token_ids=[] if hyp is None else list(hyp.tokens),
                 finish_reason=user.get_finished_reason(),
+                stop_reason=_stop_reason(hyp, group.params),
                 new_logprobs=None if hyp is None else _logprobs_lists(hyp, user.sampling_params.logprobs),
                 events=user.take_events(),
                 trace_headers=user.trace_headers,
@@ -726,8 +728,16 @@ def _internal_params(user_params):
     params.seed = None
     params.logprobs = None
     params.prompt_logprobs = None
+    params.stop = []  # the group checks stop strings (BeamParams.stop); vLLM refuses them without detokenize
     params.detokenize = False
     return params
+
+
+def _stop_reason(hyp: Hypothesis | None, params: BeamParams) -> int | None:
+    """The stop token a hypothesis ended with, as vLLM reports it for plain requests (None for EOS)."""
+    if hyp is None or hyp.finish_reason != "stop" or hyp.tokens[-1] == params.finishing_token:
+        return None
+    return hyp.tokens[-1] if hyp.tokens[-1] in params.stop_token_ids else None
 
 
 def _logprobs_lists(hyp: Hypothesis, num_logprobs: int | None) -> LogprobsLists | None:

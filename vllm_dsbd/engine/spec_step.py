@@ -36,6 +36,7 @@ from vllm_dsbd.algorithm import (
     verify_forest_greedy,
 )
 from vllm_dsbd.engine.protocol import DraftDecision, DraftStep, TokenLogprob, VerifyChoice, VerifyDecision, VerifyStep
+from vllm_dsbd.engine.stops import StopCheckers
 
 _VERIFY_SALT = 1_000
 
@@ -100,7 +101,8 @@ def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep) -> tup
     lp = torch.zeros((width, vocab))
     lp[slots] = torch.log_softmax(parent_logits, dim=-1)
     step = beam_search_step(lp[None], scores, valid, torch.tensor([ds.seq_len]), width, ds.eos_token_id,
-                            torch.tensor([ds.ignore_eos]), torch.tensor([ds.length_penalty], dtype=torch.float64))
+                            torch.tensor([ds.ignore_eos]), torch.tensor([ds.length_penalty], dtype=torch.float64),
+                            ds.stop_token_ids)
     keep = step.valid[0]
     return DraftDecision(ds.group_id, step.parents[0][keep].tolist(), step.tokens[0][keep].tolist(),
                          step.cum_logprobs[0][keep].tolist()), None
@@ -110,11 +112,14 @@ def node_id(layer: int, slot: int, width: int) -> int:
     return slot if layer == 0 else width + (layer - 1) * width + slot
 
 
-def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor | None) -> VerifyDecision:
+def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor | None,
+           stops: StopCheckers | None = None) -> VerifyDecision:
     """Verify one group's forest.
 
     path_logits: per path of ``vs.paths``, [len(path), V] target logits at its
     nodes (root first). draft_joints: [layers, W*V] (``T > 0``; None at ``T = 0``).
+    stops: the stop-string checkers (needed with ``vs.stop``): a child of a
+    node finishes when the node's text with its token completes a stop string.
     """
     width, num_layers = vs.beam_width, len(vs.draft_parents)
     vocab = path_logits[0].shape[-1]
@@ -132,7 +137,13 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
     root_scores = torch.tensor([vs.root_scores], dtype=torch.float64)
     root_valid = torch.tensor([vs.root_valid])
     ignore_eos = torch.tensor([vs.ignore_eos])
-    ends = (lambda t: t == vs.eos_token_id and not vs.ignore_eos) if vs.eos_token_id is not None else (lambda t: False)
+    completes = _node_completes(vs, stops)
+
+    def ends(parent_node: int, token: int) -> bool:
+        return ((token == vs.eos_token_id and not vs.ignore_eos) or token in vs.stop_token_ids
+                or (completes is not None and completes(*_layer_slot(parent_node, width), token)))
+
+    node_finishes = _node_finishes(completes)
 
     def choice(parent_node: int, token: int, score: float) -> VerifyChoice:
         return VerifyChoice(parent_node, token, score,
@@ -145,7 +156,7 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
             target, root_scores, root_valid, draft_joints[None], parents, tokens, exists,
             torch.tensor([num_layers]), torch.tensor([vs.width_threshold]), vs.min_width, vs.num_out,
             generator(vs.seed, vs.step, _VERIFY_SALT), torch.tensor([vs.top_k]), torch.tensor([vs.top_p]),
-            vs.eos_token_id, ignore_eos,
+            vs.eos_token_id, ignore_eos, vs.stop_token_ids, node_finishes,
         )
         passed = int(res.num_passed[0])
         beams, finished, widths = [], [], []
@@ -154,16 +165,17 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
             for slot in range(width):
                 if not res.accepted[0, layer, slot]:
                     continue
-                if ends(int(tokens[0, layer, slot])):
-                    finished.append(choice(node_id(layer, int(parents[0, layer, slot]), width),
-                                           int(tokens[0, layer, slot]), float(res.node_scores[0, layer, slot])))
+                parent_node = node_id(layer, int(parents[0, layer, slot]), width)
+                if ends(parent_node, int(tokens[0, layer, slot])):
+                    finished.append(choice(parent_node, int(tokens[0, layer, slot]),
+                                           float(res.node_scores[0, layer, slot])))
                 else:
                     live += 1
             widths.append(live)
         for s in range(int(res.out_count[0])):
             c = choice(node_id(passed, int(res.out_parent[0, s]), width), int(res.out_token[0, s]),
                        float(res.out_score[0, s]))
-            (finished if ends(c.token) else beams).append(c)
+            (finished if ends(c.parent, c.token) else beams).append(c)
         widths.append(len(beams))
         verified = min(passed + 1, num_layers)
         accepted = res.accepted[0].sum(-1).tolist()[:verified]
@@ -172,15 +184,15 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
     res = verify_forest_greedy(
         raw.reshape(1, num_layers + 1, width, vocab), root_scores, root_valid, parents, tokens, exists,
         torch.tensor([num_layers]), torch.tensor([vs.seq_len]), width, vs.eos_token_id, ignore_eos,
-        torch.tensor([vs.length_penalty], dtype=torch.float64),
+        torch.tensor([vs.length_penalty], dtype=torch.float64), vs.stop_token_ids, node_finishes,
     )
     passed = int(res.num_passed[0])
     finished = []
-    for i in range(passed + 1):  # step i+1's EOS hypotheses: children of layer i
-        for p, cum, ok in zip(res.finished_parent[0, i].tolist(), res.finished_cum_logprob[0, i].tolist(),
-                              res.finished_valid[0, i].tolist()):
+    for i in range(passed + 1):  # step i+1's EOS / stop-token hypotheses: children of layer i
+        for p, cum, ok, t in zip(res.finished_parent[0, i].tolist(), res.finished_cum_logprob[0, i].tolist(),
+                                 res.finished_valid[0, i].tolist(), res.finished_token[0, i].tolist()):
             if ok:
-                finished.append(choice(node_id(i, p, width), vs.eos_token_id, cum))
+                finished.append(choice(node_id(i, p, width), t, cum))
     beams = [choice(node_id(passed, p, width), t, cum)
              for p, t, cum, ok in zip(res.out_parent[0].tolist(), res.out_token[0].tolist(),
                                       res.out_cum_logprob[0].tolist(), res.out_valid[0].tolist()) if ok]
@@ -188,6 +200,48 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
     accepted = [proposed[i] if i < passed else 0 for i in range(verified)]
     widths = proposed[:passed] + [len(beams)]  # a passed layer's nodes are the target's live top-W beams
     return VerifyDecision(vs.group_id, passed, beams, finished, proposed[:verified], accepted, widths)
+
+
+def _layer_slot(node: int, width: int) -> tuple[int, int]:
+    """(layer, slot) of a node id (layer 0: the roots)."""
+    if node < width:
+        return 0, node
+    layer, slot = divmod(node - width, width)
+    return layer + 1, slot
+
+
+def _node_finishes(completes):
+    """``completes`` as the ``verify.NodeFinishes`` of one group (None stays None)."""
+    if completes is None:
+        return None
+
+    def finishes(layer: int, groups: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:
+        flags = [[completes(layer, p, t) for p, t in zip(ps, ts)] for ps, ts in zip(parents.tolist(), tokens.tolist())]
+        return torch.tensor(flags, dtype=torch.bool).reshape(tokens.shape)
+
+    return finishes
+
+
+def _node_completes(vs: VerifyStep, stops: StopCheckers | None):
+    """``(layer, slot, token) -> bool``: the token completes a stop string after node (layer, slot)'s text
+    (its root's tail, then the draft tokens down to it); None without stop strings."""
+    if not vs.stop:
+        return None
+    if stops is None:
+        raise RuntimeError(f"beam group {vs.group_id} has stop strings but the runner has no stop checkers")
+    checker = stops.get(vs.stop)
+
+    def completes(layer: int, slot: int, token: int) -> bool:
+        below = []
+        while layer > 0:
+            below.append(vs.draft_tokens[layer - 1][slot])
+            slot = vs.draft_parents[layer - 1][slot]
+            layer -= 1
+        if slot >= len(vs.tails):  # an empty root slot: no text, nothing to finish
+            return False
+        return checker.completes((*vs.tails[slot], *reversed(below)), token)
+
+    return completes
 
 
 def _path_logprobs(raw: Tensor, parent_node: int, token: int, vs: VerifyStep, width: int,
