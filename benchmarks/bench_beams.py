@@ -2,6 +2,8 @@
 
     .venv/bin/python -m benchmarks.bench_beams                       # widths 2,4,8; 4 prompts x 64 tokens
     .venv/bin/python -m benchmarks.bench_beams --widths 4 --max-tokens 32 --out /tmp/beams
+    .venv/bin/python -m benchmarks.bench_beams --widths 16,64,128 --num-prompts 1 --max-tokens 24 \
+        --kv-cache-gib 2 --out benchmarks/results/beams-wide
 
 One DSBD engine without a draft serves every method, in one process, on the
 same chat prompts (``benchmarks/prompts/prompts.json``): vLLM greedy
@@ -51,7 +53,10 @@ def run(args: argparse.Namespace) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = load_prompts(Path(args.prompts_file), args.num_prompts, tokenizer)
     inputs = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
-    llm = LLM(**beam_engine_kwargs(target, max(widths)))
+    widest = max(widths)
+    # vLLM's loop asks for 2W logprobs per step; every beam is a sequence of the engine.
+    llm = LLM(**{**beam_engine_kwargs(target, widest), "max_logprobs": max(20, 2 * widest),
+                 "max_num_seqs": max(256, 2 * widest), "kv_cache_memory_bytes": int(args.kv_cache_gib * (1 << 30))})
 
     def greedy(max_tokens):
         return llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
@@ -95,6 +100,7 @@ def run(args: argparse.Namespace) -> dict:
         "settings": {"target": target, "widths": widths, "max_tokens": args.max_tokens,
                      "num_prompts": len(prompts), "prompt_ids": [p.id for p in prompts], "batch": "all prompts",
                      "ignore_eos": True, "seed": args.seed, "engine": "DSBD, num_speculative_tokens=0",
+                     "max_logprobs": max(20, 2 * widest), "kv_cache_gib": args.kv_cache_gib,
                      "dtype": "float32", "block_size": 32},
         "machine": machine_facts(),
         "results": rows,
@@ -130,6 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_prompt_args(parser)
     parser.add_argument("--widths", default="2,4,8")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache (wide beams need more)")
     parser.add_argument("--out", default="benchmarks/results/beams")
     args = parser.parse_args()
     result = run(args)

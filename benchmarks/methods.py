@@ -44,6 +44,7 @@ class Settings:
     seed: int
     num_speculative_tokens: int
     width_threshold: float
+    draft_model_tokens: int | None = None  # γ of vLLM's draft_model (default: num_speculative_tokens)
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ BACKENDS["vllm-draft"] = lambda s: _vllm_engine(
     speculative_config={
         "method": "draft_model",
         "model": s.draft,
-        "num_speculative_tokens": s.num_speculative_tokens,
+        "num_speculative_tokens": s.draft_model_tokens or s.num_speculative_tokens,
     },
 )
 

@@ -46,6 +46,7 @@ class BenchConfig:
     methods: list[str]
     out_dir: str
     description: str = ""
+    draft_model_tokens: int | None = None  # γ of vLLM's draft_model (default: num_speculative_tokens)
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -183,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", default=None, help="draft checkpoint (default: the pair's draft)")
     p.add_argument("--target", default=None, help="target checkpoint (default: the pair's target)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="γ (default: the config's)")
+    p.add_argument("--draft-model-tokens", type=int, default=None,
+                   help="γ of vLLM's draft_model method (default: the DSBD methods' γ)")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--baseline", default=None)
@@ -209,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=config.seed,
         num_speculative_tokens=args.num_speculative_tokens or config.num_speculative_tokens,
         width_threshold=config.width_threshold,
+        draft_model_tokens=args.draft_model_tokens or config.draft_model_tokens,
     )
     out_dir = args.out or Path(config.out_dir)
     run(config, settings, out_dir)
