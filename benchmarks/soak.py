@@ -189,7 +189,15 @@ def run(args: argparse.Namespace) -> dict:
         "latency_p99_s": percentile(all_lat, 99) if all_lat else None,
         "by_kind": by_kind, "final_metrics": final, "healthy_at_end": healthy,
         "memory_mib": memory, "peak_memory_mib": max((m for _, m in memory), default=None),
+        "memory_growth_mib": _growth(memory),
     }
+
+
+def _growth(memory: list[tuple[float, float]]) -> float | None:
+    """Server RSS over the last minute minus over the second minute (after the first requests warmed it up)."""
+    second = [m for t, m in memory if 60 <= t < 120]
+    last = [m for t, m in memory if t >= memory[-1][0] - 60] if memory else []
+    return sum(last) / len(last) - sum(second) / len(second) if second and last else None
 
 
 def plot(result: dict, path: Path) -> None:
