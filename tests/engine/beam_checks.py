@@ -44,9 +44,18 @@ def engine_metric(llm, name: str) -> float:
 
 
 
-def start_spec_llm(model, draft, env: dict[str, str], **overrides):
-    """A speculative DSBD engine on the tiny models (γ <= 3, W <= 8, stats on) started with ``env`` set
-    (the engine's processes read it at start), the environment restored afterwards."""
+def tiny_draft_two_heads():
+    """A tiny draft with two attention heads: tensor parallelism splits heads, so TP 2 needs an even
+    number (the tiny pair's draft has one; head_dim 32 for CPU attention)."""
+    from vllm_dsbd import models
+
+    return models.build_tiny_llama(models.cache_root() / "tiny" / "tiny-draft-2h", num_layers=1, hidden_size=64,
+                                   num_heads=2, num_kv_heads=2, intermediate_size=64, seed=1)
+
+
+def start_spec_llm(model, draft, env: dict[str, str], gamma: int = 3, **overrides):
+    """A speculative DSBD engine on the tiny models (γ <= ``gamma``, W <= 8, stats on) started with ``env``
+    set (the engine's processes read it at start), the environment restored afterwards."""
     import os
 
     from vllm import LLM
@@ -56,7 +65,7 @@ def start_spec_llm(model, draft, env: dict[str, str], **overrides):
     previous = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return LLM(**{**dsbd_engine_kwargs(str(model), str(draft), 3, 8), "disable_log_stats": False,
+        return LLM(**{**dsbd_engine_kwargs(str(model), str(draft), gamma, 8), "disable_log_stats": False,
                       "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20, **overrides})
     finally:
         for k, v in previous.items():

@@ -5,25 +5,23 @@ makes the group decisions itself (seeded per group and step); each rank feeds
 its own decisions back as the next input tokens, so the ranks must decide
 alike. Checked: both ranks' running hashes of their decisions are equal,
 T = 0 stays token for token vLLM's beam search on a single-process engine,
-and T > 0 requests reproduce for a seed. (vLLM 0.32's CPU platform has no Ray
-executor, so Ray is not run here.)
+and T > 0 requests reproduce for a seed. The same on vLLM's Ray executor:
+test_ray_executor.py.
 """
 
 from __future__ import annotations
 
 import pytest
-from beam_checks import PROMPTS, beam_search, engine_metric, start_spec_llm  # tests/engine/beam_checks.py
-
-from vllm_dsbd import models
+from beam_checks import (  # tests/engine/beam_checks.py
+    PROMPTS, beam_search, engine_metric, start_spec_llm, tiny_draft_two_heads,
+)
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def tp2_llm(tiny_eos_target):
-    # the tiny draft has one attention head; TP 2 needs an even number (head_dim 32 for CPU attention)
-    draft = models.build_tiny_llama(models.cache_root() / "tiny" / "tiny-draft-2h", num_layers=1, hidden_size=64,
-                                    num_heads=2, num_kv_heads=2, intermediate_size=64, seed=1)
+    draft = tiny_draft_two_heads()
     # vLLM's CPU workers bind threads per NUMA node; this machine has one, so each rank gets a core by hand
     llm = start_spec_llm(tiny_eos_target, draft, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tensor_parallel_size=2,
                          distributed_executor_backend="mp")
