@@ -34,8 +34,9 @@ def test_expected_tokens_is_the_truncated_geometric_sum():
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
 
 
-def _policy(draft_seconds_per_token: float, target_fixed: float = 0.7, target_per_token: float = 0.04) -> DepthPolicy:
-    policy = DepthPolicy()
+def _policy(draft_seconds_per_token: float, target_fixed: float = 0.7, target_per_token: float = 0.04,
+            probe_budget: float = 0.05) -> DepthPolicy:
+    policy = DepthPolicy(probe_budget=probe_budget)
     for n in (4, 8, 12, 40):  # a prefill and some verification steps
         policy.observe_step(False, n, target_fixed + target_per_token * n)
         policy.observe_step(True, n, 0.18 + draft_seconds_per_token * n)
@@ -127,3 +128,20 @@ def test_probe_cost_stays_within_its_budget_when_the_draft_falls_behind():
         extra = iteration_seconds(1, 4, lag, policy.draft, policy.target) - plain
         # the depth-0 iterations since the last depth > 0 one, and the probe's own plain cost
         assert extra <= policy.probe_budget * plain * (probe - previous) * 1.001
+
+
+def test_a_look_ahead_without_probing_neither_probes_nor_delays_the_next_probe():
+    """choose(probe=False) (a group's admission) gives the model's choice: 0 for a useless draft even
+    when a probe is due, and the due probe still comes at the next real choice."""
+    policy, twin = _policy(0.001), _policy(0.001)
+    for p in (policy, twin):
+        for _ in range(20):
+            p.observe_iteration(KEY, "g", 1, 0)
+    due = None
+    for i in range(40):
+        assert policy.choose(KEY, "g", 4, 4, 8, probe=False) == 0  # never a probe, nothing recorded
+        depth = policy.choose(KEY, "g", 4, 4, 8)
+        assert depth == twin.choose(KEY, "g", 4, 4, 8)  # the look-aheads changed nothing
+        if depth and due is None:
+            due = i
+    assert due is not None  # the probes did come

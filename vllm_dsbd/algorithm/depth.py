@@ -124,7 +124,7 @@ class DepthPolicy:
     decay: float = 0.98  # of the engine-wide acceptance counts, per iteration observed
     probe_interval: int = 4
     max_probe_interval: int = 64
-    probe_budget: float = 0.05  # the most a probe's extra cost may be, as a share of the depth-0 time before it
+    probe_budget: float = 0.02  # the most a probe's extra cost may be, as a share of the depth-0 time before it
     margin: float = 0.05  # a deeper γ must beat the best shallower one's modelled rate by this share
     draft: LinearCost = field(default_factory=LinearCost)
     target: LinearCost = field(default_factory=LinearCost)
@@ -153,8 +153,10 @@ class DepthPolicy:
         group = self._groups.get(group_id, AcceptanceStats())
         return (group.passed + self.prior_weight * prior) / (group.trials + self.prior_weight)
 
-    def choose(self, key: object, group_id: str, max_depth: int, width: int, draft_lag: int) -> int:
-        """γ in 0..max_depth for the group's next iteration."""
+    def choose(self, key: object, group_id: str, max_depth: int, width: int, draft_lag: int,
+               probe: bool = True) -> int:
+        """γ in 0..max_depth for the group's next iteration. ``probe=False``: the model's choice only,
+        no exploration and nothing recorded (a look ahead, e.g. at a group's admission)."""
         if max_depth <= 0:
             return 0
         if self.draft.num_observations == 0 or self.target.num_observations == 0:
@@ -166,6 +168,8 @@ class DepthPolicy:
             rate = expected_tokens(alpha, depth) / iteration_seconds(depth, width, draft_lag, self.draft, self.target)
             if rate > best_rate * (1 + self.margin):
                 best, best_rate = depth, rate
+        if not probe:
+            return best
         if best > 0:
             self._zero_choices[key], self._zero_seconds[key] = 0, 0.0
             self._intervals[key] = self.probe_interval

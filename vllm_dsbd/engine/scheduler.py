@@ -508,7 +508,8 @@ class DSBDScheduler(Scheduler):
         that computes its prompt also takes its first beam step (else a prefill step computes the prompt
         and samples nothing, and the first iteration recomputes its last token with the forest)."""
         root = group.beams[0].request
-        if self._depth.choose(_depth_key(group), group.group_id, group.max_draft_layers, 1, root.num_tokens):
+        if self._depth.choose(_depth_key(group), group.group_id, group.max_draft_layers, 1, root.num_tokens,
+                              probe=False):
             return
         root.dsbd_target = root.dsbd_draft = 0
         self._carry_out(group, group.start_iteration(0), set(), {})
