@@ -73,7 +73,7 @@ def _rows(gammas: list[int], temperature: float, auto: int) -> list[tuple[str, i
 def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from vllm_dsbd.demo import dsbd_engine_kwargs
 
@@ -87,8 +87,35 @@ def run(args: argparse.Namespace) -> dict:
     inputs = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
     batches = [inputs] if args.batch == "all" else [[x] for x in inputs]
     auto_max = (args.auto_max or max(gammas)) if args.auto else 0  # γmax of the auto_depth rows
-    llm = LLM(**dsbd_engine_kwargs(target, draft, max(max(gammas), auto_max, 1), args.width),
-              disable_log_stats=False)
+    vocab_sizes = [int(v) for v in args.draft_vocab_sizes.split(",")]
+    rows, baselines = [], {}  # baselines: temperature -> (seconds, tokens) of in-engine beam decoding
+    for engine_index, vocab_size in enumerate(vocab_sizes):
+        knobs = {"draft_vocab_size": vocab_size} if vocab_size else {}
+        llm = LLM(**dsbd_engine_kwargs(target, draft, max(max(gammas), auto_max, 1), args.width, **knobs),
+                  disable_log_stats=False)
+        # γ 0 runs no draft: the first engine's in-engine rows are every engine's baseline
+        rows += _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, vocab_size, baselines,
+                          with_baseline=engine_index == 0)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    return {
+        "benchmark": "bench_dsbd",
+        "settings": {"pair": args.pair, "target": target, "draft": draft, "width": args.width, "gammas": gammas,
+                     "auto_depth_rows": args.auto, "temperatures": temperatures, "width_threshold": args.tau,
+                     "draft_vocab_sizes": vocab_sizes,
+                     "max_tokens": args.max_tokens, "num_prompts": len(prompts),
+                     "prompt_ids": [p.id for p in prompts],
+                     "batch": "all prompts" if args.batch == "all" else "1 (prompts one after another)",
+                     "ignore_eos": True, "seed": args.seed, "dtype": "float32", "block_size": 32},
+        "machine": machine_facts(),
+        "results": rows,
+    }
+
+
+def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, vocab_size, baselines,
+              with_baseline: bool) -> list[dict]:
+    """Every row of one engine (one draft_vocab_size); the in-engine baseline only ``with_baseline``."""
+    from vllm import SamplingParams
 
     def decode(gamma, temperature, fixed, auto, max_tokens, batch):
         extra = {"beam_width": args.width, "num_speculative_tokens": gamma, "width_threshold": args.tau,
@@ -101,8 +128,9 @@ def run(args: argparse.Namespace) -> dict:
 
     rows = []
     for temperature in temperatures:
-        base_secs = base_tokens = None
         for name, gamma, fixed, auto in _rows(gammas, temperature, auto_max):
+            if gamma == 0 and not with_baseline:
+                continue
             decode(gamma, temperature, fixed, auto, 4, inputs[:1])  # warm-up
             before, profile_before = _counters(llm), _profile(llm)
             start = time.perf_counter()
@@ -111,12 +139,14 @@ def run(args: argparse.Namespace) -> dict:
             after, profile = _counters(llm), _profile_delta(profile_before, _profile(llm))
             tokens = [[list(c.token_ids) for c in o.outputs] for o in out]
             forward_s = sum(p["forward_s"] for p in profile.values())
-            row = {"method": name, "gamma": gamma, "auto_depth": auto, "temperature": temperature, "wall_s": secs,
+            row = {"method": name, "gamma": gamma, "auto_depth": auto, "temperature": temperature,
+                   "draft_vocab_size": vocab_size if gamma else 0, "wall_s": secs,
                    **{k: after[k] - before[k] for k in COUNTERS}, "step_profile": profile,
                    "wall_per_forward": secs / max(forward_s, 1e-9)}
             if gamma == 0:
-                base_secs, base_tokens = secs, tokens
+                baselines[temperature] = (secs, tokens)
             else:
+                base_secs, base_tokens = baselines[temperature]
                 row["speedup_vs_in_engine"] = base_secs / secs
                 row["tokens_per_target_forward"] = row["beam_layers"] / max(row["drafts"], 1)
                 row["mean_beam_width"] = row["beam_width_sum"] / max(row["beam_layers"], 1)
@@ -125,7 +155,7 @@ def run(args: argparse.Namespace) -> dict:
                 if temperature == 0:
                     row["same_tokens_as_in_engine"] = tokens == base_tokens
             rows.append(row)
-            print(f"[dsbd] T={temperature} γ={gamma} {name} {secs:.2f} s "
+            print(f"[dsbd] T={temperature} γ={gamma} V'={vocab_size} {name} {secs:.2f} s "
                   + " ".join(f"{k}={v:.3g}" for k, v in row.items() if k in (
                       "speedup_vs_in_engine", "tokens_per_target_forward", "mean_beam_width", "mean_draft_depth",
                       "node_acceptance", "wall_per_forward")), flush=True)
@@ -133,18 +163,7 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"         {kind:7s} steps {p['steps']:4.0f}  tokens/step {p['tokens'] / p['steps']:6.1f}  "
                       f"ms/step {1e3 * p['step_s'] / p['steps']:7.1f}  forward {1e3 * p['forward_s'] / p['steps']:7.1f}"
                       f"  decide {1e3 * p['decide_s'] / p['steps']:6.1f}", flush=True)
-    llm.llm_engine.engine_core.shutdown()
-    return {
-        "benchmark": "bench_dsbd",
-        "settings": {"pair": args.pair, "target": target, "draft": draft, "width": args.width, "gammas": gammas,
-                     "auto_depth_rows": args.auto, "temperatures": temperatures, "width_threshold": args.tau,
-                     "max_tokens": args.max_tokens, "num_prompts": len(prompts),
-                     "prompt_ids": [p.id for p in prompts],
-                     "batch": "all prompts" if args.batch == "all" else "1 (prompts one after another)",
-                     "ignore_eos": True, "seed": args.seed, "dtype": "float32", "block_size": 32},
-        "machine": machine_facts(),
-        "results": rows,
-    }
+    return rows
 
 
 def plot(result: dict, path: Path) -> None:
@@ -157,14 +176,18 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(s["temperatures"]), figsize=(5 * len(s["temperatures"]), 4), squeeze=False)
     for ax, temperature in zip(axes[0], s["temperatures"]):
         rows = [r for r in result["results"] if r["temperature"] == temperature]
-        for name, marker in (("dsbd-fixed", "o"), ("dsbd-dynamic", "s")):
-            pts = [(r["gamma"], r["speedup_vs_in_engine"]) for r in rows if r["method"] == name]
-            if pts:
-                ax.plot(*zip(*pts), marker=marker, label=name)
-        for name, marker in (("dsbd-auto-fixed", "*"), ("dsbd-auto-dynamic", "P")):
-            pts = [(r["gamma"], r["speedup_vs_in_engine"]) for r in rows if r["method"] == name]
-            if pts:
-                ax.scatter(*zip(*pts), marker=marker, s=90, label=f"{name} (γ chosen, at most x)")
+        for vocab in s.get("draft_vocab_sizes", [0]):
+            suffix = f", draft vocab {vocab}" if vocab else ""
+            for name, marker in (("dsbd-fixed", "o"), ("dsbd-dynamic", "s")):
+                pts = [(r["gamma"], r["speedup_vs_in_engine"]) for r in rows
+                       if r["method"] == name and r.get("draft_vocab_size", 0) == vocab]
+                if pts:
+                    ax.plot(*zip(*pts), marker=marker, label=name + suffix)
+            for name, marker in (("dsbd-auto-fixed", "*"), ("dsbd-auto-dynamic", "P")):
+                pts = [(r["gamma"], r["speedup_vs_in_engine"]) for r in rows
+                       if r["method"] == name and r.get("draft_vocab_size", 0) == vocab]
+                if pts:
+                    ax.scatter(*zip(*pts), marker=marker, s=90, label=f"{name} (γ chosen, at most x){suffix}")
         ax.axhline(1.0, color="gray", ls="--", lw=1, label="in-engine beam decoding (γ = 0)")
         ax.set_xlabel("γ (draft layers per iteration)")
         ax.set_ylabel("speedup vs in-engine (wall time)")
@@ -189,6 +212,9 @@ def main() -> None:
     parser.add_argument("--auto", action="store_true",
                         help="also rows with auto_depth (γ chosen per iteration, at most --auto-max)")
     parser.add_argument("--auto-max", type=int, default=None, help="γmax of the auto rows (default: the largest γ)")
+    parser.add_argument("--draft-vocab-sizes", default="0",
+                        help="draft_vocab_size of each engine, comma-separated (0: the whole vocabulary); "
+                             "every engine runs every DSBD row against the first engine's in-engine rows")
     parser.add_argument("--out", default="benchmarks/results/dsbd")
     args = parser.parse_args()
     if not args.gammas.startswith("0"):
@@ -199,7 +225,8 @@ def main() -> None:
     for r in result["results"]:
         extra = "".join(f"  {k} {r[k]:.2f}" for k in ("speedup_vs_in_engine", "tokens_per_target_forward",
                                                       "mean_beam_width") if k in r)
-        print(f"T={r['temperature']} γ={r['gamma']} {r['method']:17s} {r['wall_s']:7.2f} s{extra}")
+        print(f"T={r['temperature']} γ={r['gamma']} V'={r['draft_vocab_size']} {r['method']:17s} "
+              f"{r['wall_s']:7.2f} s{extra}")
     print(f"written to {out}")
 
 

@@ -27,6 +27,8 @@ def test_defaults_follow_algorithm_md():
         ({"width_threshold": float("nan")}, "width_threshold"),
         ({"memory_efficient": "yes"}, "memory_efficient"),
         ({"fixed_width": 1}, "fixed_width"),
+        ({"draft_vocab_size": -1}, "draft_vocab_size"),
+        ({"draft_vocab_size": 1.5}, "draft_vocab_size"),
     ],
 )
 def test_bad_knob_error_names_knob_value_and_range(knobs, knob):
@@ -57,3 +59,10 @@ def test_request_overrides_apply_and_keep_engine_maxima():
         engine.for_request({"gamma": 3})
     with pytest.raises(ValueError, match=r"'beam_width'=0"):
         engine.for_request({"beam_width": 0})
+
+
+def test_engine_wide_knobs_are_refused_per_request():
+    """draft_vocab_size shapes the engine's draft head: a request cannot change it, not even to its value."""
+    engine = DSBDConfig(num_speculative_tokens=2, draft_vocab_size=1000)
+    with pytest.raises(ValueError, match=r"\['draft_vocab_size'\] are engine-wide: set them in --speculative-config"):
+        engine.for_request({"draft_vocab_size": 1000})

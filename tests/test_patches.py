@@ -146,11 +146,21 @@ def test_other_engines_are_untouched(tiny_pair):
         ({"num_speculative_tokens": 2, "beam_widht": 4}, r"Unknown key\(s\) \['beam_widht'\]"),
         ({"num_speculative_tokens": 0}, r"'num_speculative_tokens'=0 decodes beams without a draft"),
         ({"num_speculative_tokens": 2, "length_penalty": -1.0}, r"'length_penalty'=-1.0"),
+        ({"num_speculative_tokens": 2, "draft_vocab_size": 49152},
+         r"'draft_vocab_size'=49152 is not smaller than the draft's vocabulary \(49152\); allowed: 0 .* 1..49151"),
+        ({"num_speculative_tokens": 2, "draft_vocab_size": -5}, r"'draft_vocab_size'=-5"),
     ],
 )
 def test_bad_dsbd_knob_in_speculative_config(tiny_pair, spec, message):
     with pytest.raises(ValueError, match=message):
         _engine_args(tiny_pair, **spec).create_engine_config()
+
+
+def test_draft_vocab_size_without_a_draft_is_refused(tiny_pair):
+    args = _engine_args(tiny_pair, num_speculative_tokens=0, draft_vocab_size=1000)
+    del args.speculative_config["model"]
+    with pytest.raises(ValueError, match=r"'draft_vocab_size'=1000 shapes the draft's head.*uses no draft"):
+        args.create_engine_config()
 
 
 def test_dsbd_speculation_without_a_draft_model_is_refused(tiny_pair):

@@ -34,6 +34,10 @@ PRIVATE_PREFIX = "_dsbd"
 VLLM_RESERVED_EXTRA_ARGS = frozenset({"kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode"})
 
 
+#: Knobs that shape the engine itself (its models), not one request's decoding.
+ENGINE_ONLY_KNOBS = frozenset({"draft_vocab_size"})
+
+
 @dataclass(frozen=True)
 class DSBDConfig:
     beam_width: int = 4
@@ -53,6 +57,9 @@ class DSBDConfig:
     auto_depth: bool = False
     """Choose γ in 0..num_speculative_tokens before each iteration from the engine's measured step
     costs and the request's observed acceptance (``algorithm.depth``); False: always γ."""
+    draft_vocab_size: int = 0
+    """Engine-wide only: the draft computes logits for the N lowest token ids plus the special tokens
+    (``engine.draft_head``); 0 = the whole vocabulary. Cheaper drafts, still exact (q = 0 elsewhere)."""
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, low=1)
@@ -67,6 +74,7 @@ class DSBDConfig:
         _check_bool("fixed_width", self.fixed_width)
         _check_bool("memory_efficient", self.memory_efficient)
         _check_bool("auto_depth", self.auto_depth)
+        _check_int("draft_vocab_size", self.draft_vocab_size, low=0)
         _check_float("length_penalty", self.length_penalty, low=0.0, high=math.inf, low_open=False)
 
     @property
@@ -101,6 +109,10 @@ class DSBDConfig:
                      if k not in VLLM_RESERVED_EXTRA_ARGS and not k.startswith(PRIVATE_PREFIX)}
         if not overrides:
             return self
+        engine_only = sorted(set(overrides) & ENGINE_ONLY_KNOBS)
+        if engine_only:
+            raise ValueError(f"DSBD knob(s) {engine_only} are engine-wide: set them in --speculative-config "
+                             f"(speculative_config=...), not per request.")
         merged = dataclasses.replace(self, **_known(overrides, "the request's extra_args (vllm_xargs)"))
         for knob in ("beam_width", "num_speculative_tokens"):
             if getattr(merged, knob) > getattr(self, knob):

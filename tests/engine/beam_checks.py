@@ -53,9 +53,10 @@ def tiny_draft_two_heads():
                                    num_heads=2, num_kv_heads=2, intermediate_size=64, seed=1)
 
 
-def start_spec_llm(model, draft, env: dict[str, str], gamma: int = 3, **overrides):
-    """A speculative DSBD engine on the tiny models (γ <= ``gamma``, W <= 8, stats on) started with ``env``
-    set (the engine's processes read it at start), the environment restored afterwards."""
+def start_spec_llm(model, draft, env: dict[str, str], gamma: int = 3, knobs: dict | None = None, **overrides):
+    """A speculative DSBD engine on the tiny models (γ <= ``gamma``, W <= 8, stats on, engine-wide DSBD
+    ``knobs``) started with ``env`` set (the engine's processes read it at start), the environment restored
+    afterwards."""
     import os
 
     from vllm import LLM
@@ -65,7 +66,8 @@ def start_spec_llm(model, draft, env: dict[str, str], gamma: int = 3, **override
     previous = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return LLM(**{**dsbd_engine_kwargs(str(model), str(draft), gamma, 8), "disable_log_stats": False,
+        return LLM(**{**dsbd_engine_kwargs(str(model), str(draft), gamma, 8, **(knobs or {})),
+                      "disable_log_stats": False,
                       "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20, **overrides})
     finally:
         for k, v in previous.items():

@@ -139,6 +139,32 @@ def test_fixed_width_dsbd_is_distributed_as_beam_sampling():
     assert chi2_pvalue(samples, wrong) < 1e-3
 
 
+def test_a_draft_restricted_to_the_low_token_ids_keeps_dsbd_exact():
+    """A draft that computes only the lowest token ids (``draft_vocab_size``: q = 0 on the others):
+    T = 0 is still vLLM's beam search, fixed-width T > 0 still exact beam sampling (4,000 seeds, chi-square;
+    the planted uniform-parent bug is rejected). The target puts real mass on the dropped token."""
+    target = random_markov(4, order=2, seed=21)
+    draft = perturbed_draft(target, 0.8, seed=22).masked([3])  # draft_vocab_size = 3
+    prompt, width, max_tokens = [1], 2, 4
+    ref = beam_search(target, [prompt], DecodeParams(beam_width=width, temperature=0.0, max_tokens=max_tokens,
+                                                     eos_token_id=None, num_speculative_tokens=0))[0]
+    ours = run_dsbd(target, draft, prompt, params(beam_width=width, n=width, max_tokens=max_tokens,
+                                                  eos_token_id=None, ignore_eos=True, num_speculative_tokens=2))
+    assert [h.tokens for h in ours] == [h.token_ids for h in ref]
+    expected = exact_beam_sampling(target, tuple(prompt), width, max_tokens, temperature=1.0, ignore_eos=True)
+    assert sum(p for seq, p in expected.items() if any(3 in beam for beam in seq)) > 0.3
+    samples = []
+    for seed in range(4000):
+        hyps = run_dsbd(target, draft, prompt, params(beam_width=width, n=width, max_tokens=max_tokens,
+                                                      temperature=1.0, ignore_eos=True, eos_token_id=None,
+                                                      num_speculative_tokens=2, seed=seed))
+        samples.append(tuple(sorted(h.tokens for h in hyps)))
+    assert chi2_pvalue(samples, expected) > 1e-3
+    wrong = exact_beam_sampling(target, tuple(prompt), width, max_tokens, temperature=1.0, ignore_eos=True,
+                                uniform_parents=True)
+    assert chi2_pvalue(samples, wrong) < 1e-3
+
+
 def test_memory_efficient_mode_carries_one_beam_between_iterations():
     """W_out = 1: after every verification the group holds exactly one live request."""
     target = random_markov(5, order=2, seed=3)

@@ -39,7 +39,8 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_dsbd.engine import beam_step, spec_step
+from vllm_dsbd.config import DSBDConfig
+from vllm_dsbd.engine import beam_step, draft_head, spec_step
 from vllm_dsbd.engine.protocol import PLAN_ATTR, RESULT_ATTR, StepPlan, StepResult
 from vllm_dsbd.engine.stops import StopCheckers
 
@@ -49,6 +50,7 @@ class DSBDModelRunnerMixin:
 
     _dsbd_plan: StepPlan | None = None
     _dsbd_result: StepResult | None = None
+    _dsbd_scheduler_output = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -68,17 +70,58 @@ class DSBDModelRunnerMixin:
         tokenizer = cached_tokenizer_from_config(self.model_config)
         return lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True)
 
+    def _dsbd_special_ids(self) -> set[int]:
+        """The target tokenizer's special and added token ids, and the EOS ids of the model's config."""
+        from vllm.tokenizers import cached_tokenizer_from_config
+
+        tokenizer = cached_tokenizer_from_config(self.model_config)
+        ids = set(getattr(tokenizer, "all_special_ids", ()))
+        ids |= set(getattr(tokenizer, "added_tokens_decoder", {}))
+        eos = getattr(self.model_config.hf_config, "eos_token_id", None)
+        ids |= set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        return ids
+
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
-        models = [self.model] + ([self.drafter.model] if getattr(self, "drafter", None) is not None else [])
+        drafter = getattr(self, "drafter", None)
+        config = DSBDConfig.from_vllm_config(self.vllm_config)
+        if drafter is not None and config is not None and config.draft_vocab_size:
+            vocab = self.model_config.get_vocab_size()
+            ids = draft_head.reduced_vocab_ids(vocab, config.draft_vocab_size, self._dsbd_special_ids())
+            draft_head.install_reduced_head(drafter.model, ids)
+        self.model.compute_logits = self._shared_node_logits(self.model.compute_logits)
+        models = [self.model] + ([drafter.model] if drafter is not None else [])
         for model in models:  # the logits are part of the forward in the step profile
             model.compute_logits = self._dsbd_profile.timed_forward(model.compute_logits)
+
+    def _shared_node_logits(self, compute_logits):
+        """The target's head runs once per forest node of a verify step, not once per path through it
+        (``spec_step.shared_node_rows``); the repeated rows get copies of the node's logits."""
+
+        def compute(hidden_states):  # [num_rows, hidden]: the logits rows of every scheduled request
+            plan, sched = self._dsbd_plan, self._dsbd_scheduler_output
+            source = None
+            if plan is not None and plan.verify_steps and sched is not None:
+                spec = sched.scheduled_spec_decode_tokens
+                counts = [len(spec.get(rid, ())) + 1 for rid in self.input_batch.req_ids]
+                if sum(counts) == hidden_states.shape[0]:
+                    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+                    row_start = {rid: int(s) for rid, s in zip(self.input_batch.req_ids, starts)}
+                    source = spec_step.shared_node_rows(plan.verify_steps, row_start, hidden_states.shape[0])
+            if source is None:
+                return compute_logits(hidden_states)
+            rows, inverse = torch.unique(source, return_inverse=True)
+            logits = compute_logits(hidden_states[rows.to(hidden_states.device)])
+            return None if logits is None else logits[inverse.to(logits.device)]
+
+        return compute
 
     def _model_forward(self, *args, **kwargs):
         return self._dsbd_profile.timed_forward(super()._model_forward)(*args, **kwargs)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         plan = self._dsbd_plan = getattr(scheduler_output, PLAN_ATTR, None)
+        self._dsbd_scheduler_output = scheduler_output
         self._dsbd_result = None
         self._dsbd_profile.start(plan, scheduler_output.total_num_scheduled_tokens)
         if plan is None or not plan.draft:

@@ -129,6 +129,13 @@ SUBCLASSED_SHA256 = {
     "vllm.v1.worker.gpu_worker.Worker._make_model_runner": (
         "3817214704e1e262501988b3355525be27d1a61424ff9db1da1be11016fa2be4"
     ),
+    # engine.draft_head replaces _apply_head on the draft's LogitsProcessor instance (draft_vocab_size)
+    "vllm.model_executor.layers.logits_processor.LogitsProcessor._get_logits": (
+        "9556236747c98a0f242ddda23bf1ce2cdb190983b685d06c51216a079b3625a7"
+    ),
+    "vllm.model_executor.layers.logits_processor.LogitsProcessor._apply_head": (
+        "8c6519d221de62f8b94190317a8a1fadf17ae4f7c374c03ec95bb0a5a9877e2a"
+    ),
 }
 
 _applied = False
@@ -306,6 +313,12 @@ def _dsbd_engine_config() -> None:
         config = original(self, *args, **kwargs)
         if config.speculative_config is not None:
             check_same_vocabulary(config.speculative_config)
+            vocab = config.speculative_config.draft_model_config.get_vocab_size()
+            if dsbd.draft_vocab_size >= vocab:
+                raise ValueError(
+                    f"DSBD knob 'draft_vocab_size'={dsbd.draft_vocab_size} is not smaller than the draft's "
+                    f"vocabulary ({vocab}); allowed: 0 (the whole vocabulary) or 1..{vocab - 1}."
+                )
             max_model_len = config.model_config.max_model_len
             if dsbd.num_speculative_tokens + 2 > max_model_len:
                 raise ValueError(
@@ -348,6 +361,9 @@ def _take_dsbd_config(args: Any) -> DSBDConfig | None:
     knobs["num_speculative_tokens"] = raw.setdefault("num_speculative_tokens", _DEFAULT_GAMMA)
     dsbd = DSBDConfig.from_mapping(knobs, where="--speculative-config")
     if dsbd.num_speculative_tokens == 0:
+        if dsbd.draft_vocab_size:
+            raise ValueError(f"DSBD knob 'draft_vocab_size'={dsbd.draft_vocab_size} shapes the draft's head, "
+                             "and 'num_speculative_tokens'=0 uses no draft; remove it.")
         if raw.get("model"):
             raise ValueError(
                 "DSBD knob 'num_speculative_tokens'=0 decodes beams without a draft, but a draft "

@@ -568,9 +568,14 @@ class DSBDScheduler(Scheduler):
         child.block_hashes = list(parent.block_hashes[: num_shared // self.block_size])
         child.update_block_hashes()
         self.requests[child.request_id] = child
-        for attr in ("dsbd_target", "dsbd_draft"):  # the KV frontiers that come with the shared blocks
+        # The KV frontiers that come with the shared blocks: the target's up to num_shared; the draft's up
+        # to the end of the child's last block, since a partial tail block is copied whole, with the draft
+        # KV the parent already holds past num_shared (a path request forked at the target's frontier
+        # keeps the draft's KV of its root's last token instead of recomputing it).
+        reach = -(-num_shared // self.block_size) * self.block_size
+        for attr, limit in (("dsbd_target", num_shared), ("dsbd_draft", reach)):
             if getattr(parent, attr, None) is not None:
-                setattr(child, attr, min(getattr(parent, attr), num_shared))
+                setattr(child, attr, min(getattr(parent, attr), limit))
         if self._share_kv(parent, child, num_shared):
             child.num_computed_tokens = num_shared
             child.status = RequestStatus.RUNNING

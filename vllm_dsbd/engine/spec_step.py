@@ -108,6 +108,31 @@ def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep) -> tup
                          step.cum_logprobs[0][keep].tolist()), None
 
 
+def shared_node_rows(verify_steps: Sequence[VerifyStep], row_start: Mapping[str, int], num_rows: int) -> Tensor | None:
+    """Per logits row, the row whose logits it may take: itself, or an earlier row of the same forest node.
+
+    Root-to-leaf paths repeat the nodes they share (a root with several children is on several paths),
+    and :func:`verify` reads each node's logits from the first path through it, so the target's head
+    needs only those rows. row_start: the first logits row of each path request (its rows follow the
+    path's nodes, root first). Returns [num_rows] int64, or None when no row repeats a node.
+
+    Example (W 2, one layer): paths ((0, 2), (0, 3), (1,)) on rows 0-1, 2-3, 4 -> [0, 1, 0, 3, 4]:
+    row 2 (root 0 again, on the second path) takes row 0's logits.
+    """
+    source = torch.arange(num_rows)
+    shared = False
+    for vs in verify_steps:
+        first_row: dict[int, int] = {}
+        for rid, path in zip(vs.path_req_ids, vs.paths):
+            for offset, node in enumerate(path):
+                row = row_start[rid] + offset
+                if node in first_row:
+                    source[row], shared = first_row[node], True
+                else:
+                    first_row[node] = row
+    return source if shared else None
+
+
 def node_id(layer: int, slot: int, width: int) -> int:
     return slot if layer == 0 else width + (layer - 1) * width + slot
 
