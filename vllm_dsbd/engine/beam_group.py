@@ -171,6 +171,7 @@ class BeamGroup:
         self.num_draft_layers = 0  # γ of this iteration
         self.layers: list[list[DraftNode]] = []
         self.paths: list[tuple[int, ...]] = []  # node ids, root first
+        self.aliases: dict[int, int] = {}  # leaf -> its twin (same parent and token), which has the path
         self.path_requests: list[PathRequest] = []
 
     @property
@@ -193,7 +194,7 @@ class BeamGroup:
         Without draft layers the paths (the beams alone) are set up at once: a plain beam step."""
         most = self.max_draft_layers
         self.num_draft_layers = most if num_draft_layers is None else max(0, min(num_draft_layers, most))
-        self.layers, self.paths, self.path_requests = [], [], []
+        self.layers, self.paths, self.path_requests, self.aliases = [], [], [], {}
         self.in_iteration = True
         return StepEffects(self._set_up_paths() if self.num_draft_layers == 0 else [])
 
@@ -206,7 +207,7 @@ class BeamGroup:
         """Abandon the iteration in progress (the beams' KV was lost); returns the requests to free."""
         extra = self.extra_requests()
         self.in_iteration = False
-        self.num_draft_layers, self.layers, self.paths, self.path_requests = 0, [], [], []
+        self.num_draft_layers, self.layers, self.paths, self.path_requests, self.aliases = 0, [], [], [], {}
         return extra
 
     @property
@@ -278,8 +279,20 @@ class BeamGroup:
         )
         paths = root_to_leaf_paths(forest)
         flat, cu = paths.path_nodes.tolist(), paths.cu_num_positions.tolist()
-        self.paths = [tuple(flat[cu[k]:cu[k + 1]]) for k in range(paths.num_paths)]
         node_tokens = forest.tokens.tolist()
+        # A leaf drawn twice (same parent node, same token: beam sampling draws with replacement) has the
+        # same target distribution as its twin: only the first one gets a path (fewer verified tokens).
+        self.paths, self.aliases, twins = [], {}, {}
+        for k in range(paths.num_paths):
+            path = tuple(flat[cu[k]:cu[k + 1]])
+            leaf = path[-1]
+            key = (path[-2], node_tokens[leaf]) if len(path) > 1 else None
+            if key is not None and key in twins:
+                self.aliases[leaf] = twins[key]
+                continue
+            if key is not None:
+                twins[key] = leaf
+            self.paths.append(path)
         used_roots: set[int] = set()
         self.path_requests = []
         for path in self.paths:
@@ -302,7 +315,7 @@ class BeamGroup:
             root_scores=tuple(b.score for b in self.beams) + (float("-inf"),) * (width - num_roots),
             root_valid=(True,) * num_roots + (False,) * (width - num_roots),
             draft_parents=tuple(map(tuple, parents)), draft_tokens=tuple(map(tuple, tokens)),
-            draft_exists=tuple(map(tuple, exists)),
+            draft_exists=tuple(map(tuple, exists)), aliases=tuple(self.aliases.items()),
             seq_len=self.prompt_len + self.num_generated, num_out=1 if p.memory_efficient else width,
             width_threshold=1.0 if p.temperature == 0 else p.width_threshold, min_width=p.min_width,
             num_logprobs=p.num_logprobs, tails=self.tails(self.beams),
@@ -320,7 +333,8 @@ class BeamGroup:
         return node, tokens[::-1]
 
     def path_of_node(self, node: int) -> int:
-        """The first path through ``node``: its request carries the node's children."""
+        """The first path through ``node`` (or through its twin): its request carries the node's children."""
+        node = self.aliases.get(node, node)
         return next(k for k, path in enumerate(self.paths) if node in path)
 
     def apply_verify(self, decision: VerifyDecision) -> StepEffects:
@@ -333,8 +347,8 @@ class BeamGroup:
             self.finished.append(self._hypothesis(beam.tokens + tokens + [c.token], c.score,
                                                   beam.logprobs + list(c.logprobs), self._finish_reason(c.token)))
         children: dict[int, list[int]] = {}
-        for k, c in enumerate(decision.beams):
-            children.setdefault(c.parent, []).append(k)
+        for k, c in enumerate(decision.beams):  # a leaf and its twin continue on the same request
+            children.setdefault(self.aliases.get(c.parent, c.parent), []).append(k)
         effects = StepEffects()
         new_beams: list[Beam | None] = [None] * len(decision.beams)
         kept: set[int] = set()
@@ -359,7 +373,7 @@ class BeamGroup:
         self.beams = new_beams  # type: ignore[assignment]
         self.num_generated += decision.num_passed + 1
         self.step += 1
-        self.num_draft_layers, self.layers, self.paths, self.path_requests = 0, [], [], []
+        self.num_draft_layers, self.layers, self.paths, self.path_requests, self.aliases = 0, [], [], [], {}
         self.in_iteration = False
         return effects
 

@@ -274,13 +274,16 @@ def _set_row(sampled: torch.Tensor, discard: np.ndarray, row: int, tokens: list[
 
 def _path_row_tokens(vs, decision) -> list[list[int] | None]:
     """Per path of a verified forest: accepted path tokens + new token for the path that carries a
-    parent node's first child (the first path through the node), None for the other paths."""
+    parent node's first child (the first path through the node, or through its twin), None for the other
+    paths."""
     out: list[list[int] | None] = [None] * len(vs.paths)
     width = vs.beam_width
+    aliases = dict(vs.aliases)
     for c in decision.beams:
-        path = next(k for k, nodes in enumerate(vs.paths) if c.parent in nodes)
+        parent = aliases.get(c.parent, c.parent)  # a leaf drawn twice continues on its twin's path
+        path = next(k for k, nodes in enumerate(vs.paths) if parent in nodes)
         if out[path] is None:
-            depth = vs.paths[path].index(c.parent)
+            depth = vs.paths[path].index(parent)
             tokens = [vs.draft_tokens[(n - width) // width][(n - width) % width] for n in vs.paths[path][1:depth + 1]]
             out[path] = tokens + [c.token]
     return out

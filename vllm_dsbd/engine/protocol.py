@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 PLAN_ATTR = "dsbd_plan"
 RESULT_ATTR = "dsbd_result"
@@ -73,7 +73,8 @@ class VerifyStep(GroupDecoding):
 
     Node ids follow ``algorithm.forest``: roots (the beams, padded to W
     slots) are ``0..W-1``, draft node (layer i, slot j) is ``W + (i-1)*W + j``.
-    Path request k computed the target at every node of ``paths[k]``.
+    Path request k computed the target at every node of ``paths[k]``; a node of ``aliases`` is
+    computed as its twin.
     """
 
     path_req_ids: tuple[str, ...]  # [num_paths]
@@ -88,6 +89,9 @@ class VerifyStep(GroupDecoding):
     width_threshold: float  # >= 1: fixed width
     min_width: int
     num_logprobs: int
+    aliases: tuple[tuple[int, int], ...] = ()
+    """(leaf, its twin): a leaf with the same parent and token as an earlier leaf of its layer is on no
+    path; the target computed it once, on the twin's path (``BeamGroup._set_up_paths``)."""
 
 
 @dataclass

@@ -155,6 +155,8 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
         for node, row in zip(path, rows.float()):
             if not filled[node]:
                 node_logits[node], filled[node] = row, True
+    for leaf, twin in vs.aliases:  # a leaf drawn twice: computed once, on its twin's path
+        node_logits[leaf] = node_logits[twin]
     raw = torch.log_softmax(node_logits, dim=-1)  # [nodes, V]
     parents = torch.tensor(vs.draft_parents, dtype=torch.long).reshape(1, num_layers, width)
     tokens = torch.tensor(vs.draft_tokens, dtype=torch.long).reshape(1, num_layers, width)
