@@ -175,3 +175,31 @@ def test_memory_efficient_mode_carries_one_beam_between_iterations():
                                                   width_threshold=0.5), trace)
     assert all(t[1] == 1 for t in trace)
     assert len(hyps[0].tokens) == 10
+
+
+def test_a_leaf_drawn_twice_is_verified_once_and_its_beams_continue_on_its_twin():
+    """γ 1, W 3, one beam: the draft draws (root, 7) twice and (root, 8) once. The verify step carries two
+    paths, the repeated leaf is an alias of the first, and the new beams drawn from the repeated leaf
+    continue on the first leaf's request: one extends it, the other forks it."""
+    from vllm_dsbd.engine.protocol import DraftDecision, VerifyChoice, VerifyDecision
+
+    root = Req("root", [1, 2])
+    group = BeamGroup("g", ["u"], 2, params(beam_width=3, n=3, temperature=1.0, num_speculative_tokens=1,
+                                            max_tokens=5), root)
+    group.start_iteration()
+    effects = group.apply_draft(DraftDecision("g", [0, 0, 0], [7, 8, 7], [-0.1, -1.0, -0.1]))
+    paths = [op for op in effects.ops if isinstance(op, PathRequest)]
+    assert [p.spec_tokens for p in paths] == [[7], [8]]
+    paths[0].request, paths[1].request = Req("p0", [1, 2]), Req("p1", [1, 2])  # as the scheduler does
+    vs = group.verify_plan()
+    first_leaf, second_leaf, repeated_leaf = 3, 4, 5  # node ids of layer 1, slots 0-2
+    assert vs.paths == ((0, first_leaf), (0, second_leaf)) and vs.aliases == ((repeated_leaf, first_leaf),)
+    beams = [VerifyChoice(repeated_leaf, 9, -1.0, ()), VerifyChoice(first_leaf, 10, -2.0, ()),
+             VerifyChoice(second_leaf, 11, -3.0, ())]
+    effects = group.apply_verify(VerifyDecision("g", 1, beams, [], [3], [3], [3, 3]))
+    extends = [(op.request.request_id, op.tokens) for op in effects.ops if isinstance(op, Extend)]
+    forks = [(op.parent.request_id, op.token) for op in effects.ops if isinstance(op, Fork)]
+    assert extends == [("p0", [7]), ("p0", [9]), ("p1", [8]), ("p1", [11])]
+    assert forks == [("p0", 10)]
+    assert [b.tokens for b in group.beams] == [[7, 9], [7, 10], [8, 11]]
+    assert not any(isinstance(op, Free) for op in effects.ops)  # both path requests carry new beams
