@@ -13,7 +13,9 @@ temperature runs beam search (T = 0; DSBD must return the baseline's tokens,
 which the script checks and records) or beam sampling (T > 0, seeded).
 ``ignore_eos`` keeps every output at ``max_tokens`` tokens. Every row is
 warmed up on a short run first; the timed runs process the prompts as one
-batch (``--batch all``) or one after another (``--batch 1``, the default: latency). Rows with
+batch (``--batch all``) or one after another (``--batch 1``, the default: latency),
+interleaved: each prompt runs every row in turn, so a drift of the machine's
+speed during the run hits every row alike. Rows with
 ``--auto`` let the engine choose γ per iteration (``auto_depth``, at most ``--auto-max``).
 Besides wall time, each row records from the engine's own counters
 (``llm.get_metrics()``) its DSBD iterations, i.e. target forwards per group,
@@ -128,20 +130,37 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, vocab_
 
     rows = []
     for temperature in temperatures:
-        for name, gamma, fixed, auto in _rows(gammas, temperature, auto_max):
-            if gamma == 0 and not with_baseline:
-                continue
+        specs = [spec for spec in _rows(gammas, temperature, auto_max) if spec[1] > 0 or with_baseline]
+        for _, gamma, fixed, auto in specs:
             decode(gamma, temperature, fixed, auto, 4, inputs[:1])  # warm-up
-            before, profile_before = _counters(llm), _profile(llm)
-            start = time.perf_counter()
-            out = [o for batch in batches for o in decode(gamma, temperature, fixed, auto, args.max_tokens, batch)]
-            secs = time.perf_counter() - start
-            after, profile = _counters(llm), _profile_delta(profile_before, _profile(llm))
+        # Interleaved: each batch runs every row in turn, so a drift of the machine's speed during the
+        # run (seen here: ~10 % over half an hour) hits every row alike instead of the later rows.
+        runs = {spec: {"secs": 0.0, "out": [], "counters": dict.fromkeys(COUNTERS, 0.0), "profile": {}}
+                for spec in specs}
+        for batch in batches:
+            for spec in specs:
+                _, gamma, fixed, auto = spec
+                run = runs[spec]
+                before, profile_before = _counters(llm), _profile(llm)
+                start = time.perf_counter()
+                run["out"] += decode(gamma, temperature, fixed, auto, args.max_tokens, batch)
+                run["secs"] += time.perf_counter() - start
+                after = _counters(llm)
+                for k in COUNTERS:
+                    run["counters"][k] += after[k] - before[k]
+                for kind, values in _profile_delta(profile_before, _profile(llm)).items():
+                    total = run["profile"].setdefault(kind, dict.fromkeys(values, 0.0))
+                    for k, v in values.items():
+                        total[k] += v
+        for spec in specs:
+            name, gamma, fixed, auto = spec
+            run = runs[spec]
+            secs, out, profile = run["secs"], run["out"], run["profile"]
             tokens = [[list(c.token_ids) for c in o.outputs] for o in out]
             forward_s = sum(p["forward_s"] for p in profile.values())
             row = {"method": name, "gamma": gamma, "auto_depth": auto, "temperature": temperature,
                    "draft_vocab_size": vocab_size if gamma else 0, "wall_s": secs,
-                   **{k: after[k] - before[k] for k in COUNTERS}, "step_profile": profile,
+                   **run["counters"], "step_profile": profile,
                    "wall_per_forward": secs / max(forward_s, 1e-9)}
             if gamma == 0:
                 baselines[temperature] = (secs, tokens)
