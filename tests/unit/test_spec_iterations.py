@@ -120,13 +120,9 @@ def test_draft_equal_to_target_passes_every_layer():
     assert all(t[2] == t[3] == [2] * len(t[2]) for t in trace)  # every draft node accepted
 
 
-def test_fixed_width_dsbd_is_distributed_as_beam_sampling():
-    """T > 0, fixed width, an imperfect draft: complete outputs against exact beam sampling (4,000 seeds);
-    the same samples reject beam sampling with uniform parent weights (a planted bug)."""
-    target = random_markov(4, order=2, seed=11)
-    draft = perturbed_draft(target, 0.5, seed=12)
-    prompt, width, max_tokens = [1], 2, 4
-    expected = exact_beam_sampling(target, tuple(prompt), width, max_tokens, temperature=1.0, ignore_eos=True)
+def assert_exact_fixed_width_sampling(target, draft, prompt, width, max_tokens, expected):
+    """4,000 seeded fixed-width DSBD runs (γ 2, T 1) are distributed as ``expected`` (exact beam sampling,
+    chi-square) and reject beam sampling with uniform parent weights (a planted bug)."""
     samples = []
     for seed in range(4000):
         hyps = run_dsbd(target, draft, prompt, params(beam_width=width, n=width, max_tokens=max_tokens,
@@ -137,6 +133,16 @@ def test_fixed_width_dsbd_is_distributed_as_beam_sampling():
     wrong = exact_beam_sampling(target, tuple(prompt), width, max_tokens, temperature=1.0, ignore_eos=True,
                                 uniform_parents=True)
     assert chi2_pvalue(samples, wrong) < 1e-3
+
+
+def test_fixed_width_dsbd_is_distributed_as_beam_sampling():
+    """T > 0, fixed width, an imperfect draft: complete outputs against exact beam sampling (4,000 seeds);
+    the same samples reject beam sampling with uniform parent weights (a planted bug)."""
+    target = random_markov(4, order=2, seed=11)
+    draft = perturbed_draft(target, 0.5, seed=12)
+    prompt, width, max_tokens = [1], 2, 4
+    expected = exact_beam_sampling(target, tuple(prompt), width, max_tokens, temperature=1.0, ignore_eos=True)
+    assert_exact_fixed_width_sampling(target, draft, prompt, width, max_tokens, expected)
 
 
 def test_a_draft_restricted_to_the_low_token_ids_keeps_dsbd_exact():
@@ -153,16 +159,7 @@ def test_a_draft_restricted_to_the_low_token_ids_keeps_dsbd_exact():
     assert [h.tokens for h in ours] == [h.token_ids for h in ref]
     expected = exact_beam_sampling(target, tuple(prompt), width, max_tokens, temperature=1.0, ignore_eos=True)
     assert sum(p for seq, p in expected.items() if any(3 in beam for beam in seq)) > 0.3
-    samples = []
-    for seed in range(4000):
-        hyps = run_dsbd(target, draft, prompt, params(beam_width=width, n=width, max_tokens=max_tokens,
-                                                      temperature=1.0, ignore_eos=True, eos_token_id=None,
-                                                      num_speculative_tokens=2, seed=seed))
-        samples.append(tuple(sorted(h.tokens for h in hyps)))
-    assert chi2_pvalue(samples, expected) > 1e-3
-    wrong = exact_beam_sampling(target, tuple(prompt), width, max_tokens, temperature=1.0, ignore_eos=True,
-                                uniform_parents=True)
-    assert chi2_pvalue(samples, wrong) < 1e-3
+    assert_exact_fixed_width_sampling(target, draft, prompt, width, max_tokens, expected)
 
 
 def test_memory_efficient_mode_carries_one_beam_between_iterations():
