@@ -29,6 +29,11 @@ def test_defaults_follow_algorithm_md():
         ({"fixed_width": 1}, "fixed_width"),
         ({"draft_vocab_size": -1}, "draft_vocab_size"),
         ({"draft_vocab_size": 1.5}, "draft_vocab_size"),
+        ({"decoder": "beam"}, "decoder"),
+        ({"decoder": None}, "decoder"),
+        ({"mjsd_tau": -0.1}, "mjsd_tau"),
+        ({"mjsd_tau": float("inf")}, "mjsd_tau"),
+        ({"mjsd_tau": "0.5"}, "mjsd_tau"),
     ],
 )
 def test_bad_knob_error_names_knob_value_and_range(knobs, knob):
@@ -66,3 +71,21 @@ def test_engine_wide_knobs_are_refused_per_request():
     engine = DSBDConfig(num_speculative_tokens=2, draft_vocab_size=1000)
     with pytest.raises(ValueError, match=r"\['draft_vocab_size'\] are engine-wide: set them in --speculative-config"):
         engine.for_request({"draft_vocab_size": 1000})
+
+
+@pytest.mark.parametrize("knobs, knob", [
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"auto_depth": True}, "auto_depth"),
+    ({"memory_efficient": True}, "memory_efficient"),
+])
+def test_mjsd_refuses_knobs_it_cannot_honour(knobs, knob):
+    with pytest.raises(ValueError, match=rf"'decoder'='mjsd'.*'{knob}'.*allowed"):
+        DSBDConfig(decoder="mjsd", **knobs)
+
+
+def test_a_request_may_choose_mjsd_and_its_tau():
+    engine = DSBDConfig(beam_width=8, num_speculative_tokens=4)
+    req = engine.for_request({"decoder": "mjsd", "mjsd_tau": 0.3, "beam_width": 6})
+    assert (req.mjsd, req.mjsd_tau, req.beam_width, req.num_speculative_tokens) == (True, 0.3, 6, 4)
+    assert not engine.mjsd and engine.decoder == "dsbd"
+    assert not DSBDConfig(decoder="mjsd").for_request({"decoder": "dsbd"}).mjsd

@@ -34,6 +34,9 @@ PRIVATE_PREFIX = "_dsbd"
 VLLM_RESERVED_EXTRA_ARGS = frozenset({"kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode"})
 
 
+#: The decoders a speculative request may use (DSBDConfig.decoder).
+DECODERS = ("dsbd", "mjsd")
+
 #: Knobs that shape the engine itself (its models), not one request's decoding.
 ENGINE_ONLY_KNOBS = frozenset({"draft_vocab_size"})
 
@@ -57,6 +60,13 @@ class DSBDConfig:
     auto_depth: bool = False
     """Choose γ in 0..num_speculative_tokens before each iteration from the engine's measured step
     costs and the request's observed acceptance (``algorithm.depth``); False: always γ."""
+    decoder: str = "dsbd"
+    """What a speculative request decodes with: "dsbd" (beam decoding) or "mjsd" (one sequence by
+    multi-token joint speculative decoding, ``algorithm.mjsd``: ``beam_width`` draft beams K,
+    ``num_speculative_tokens`` γ, ``mjsd_tau`` τ). On an engine whose decoder is "mjsd", plain
+    requests with n = 1 are MJSD requests too."""
+    mjsd_tau: float = 0.5
+    """MJSD's τ: the longest draft prefix with log P - log Q >= log τ is accepted (0: every draft path)."""
     draft_vocab_size: int = 0
     """Engine-wide only: the draft computes logits for the N lowest token ids plus the special tokens
     (``engine.draft_head``); 0 = the whole vocabulary. Cheaper drafts, still exact (q = 0 elsewhere)."""
@@ -75,7 +85,25 @@ class DSBDConfig:
         _check_bool("memory_efficient", self.memory_efficient)
         _check_bool("auto_depth", self.auto_depth)
         _check_int("draft_vocab_size", self.draft_vocab_size, low=0)
+        if self.decoder not in DECODERS:
+            raise ValueError(f"DSBD knob 'decoder'={self.decoder!r} is invalid; allowed: "
+                             f"{' or '.join(map(repr, DECODERS))}.")
+        _check_float("mjsd_tau", self.mjsd_tau, low=0.0, high=math.inf, low_open=False)
+        if self.mjsd:
+            if self.num_speculative_tokens == 0:
+                raise ValueError("DSBD knob 'decoder'='mjsd' needs draft steps: 'num_speculative_tokens' (γ) "
+                                 "is 0; allowed: γ >= 1 (an engine with a draft model).")
+            if self.auto_depth:
+                raise ValueError("DSBD knob 'decoder'='mjsd' does not choose its depth: 'auto_depth'=True is "
+                                 "not supported with it; allowed: auto_depth false (γ = num_speculative_tokens).")
+            if self.memory_efficient:
+                raise ValueError("DSBD knob 'decoder'='mjsd' carries one sequence already: "
+                                 "'memory_efficient'=True is not supported with it; allowed: false.")
         _check_float("length_penalty", self.length_penalty, low=0.0, high=math.inf, low_open=False)
+
+    @property
+    def mjsd(self) -> bool:
+        return self.decoder == "mjsd"
 
     @property
     def uses_fixed_width(self) -> bool:

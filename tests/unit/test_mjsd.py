@@ -104,3 +104,51 @@ def test_bad_params_are_refused():
                         ({"tau": -1.0}, "tau"), ({"temperature": -0.5}, "temperature")]:
         with pytest.raises(ValueError, match=message):
             MJSDParams(**kw)
+
+
+def _verify_step(tau, eos=None, temperature=1.0):
+    """W 2, three draft layers, the path root 0 -> (1, 1) -> (2, 0) -> (3, 1) with tokens 1, 3, 4 (V 5).
+    Per-token log P - log Q along it: -1.0, +0.9, -0.1 (prefix sums -1.0, -0.1, -0.2)."""
+    from vllm_dsbd.engine.protocol import VerifyStep
+
+    def row(token, logprob):  # a distribution with `token` at exp(logprob), the rest spread evenly
+        p = torch.full((5,), (1 - math.exp(logprob)) / 4)
+        p[token] = math.exp(logprob)
+        return p.log()
+
+    target = torch.stack([row(1, -2.0), row(3, -0.1), row(4, -1.1), row(0, -0.01)])
+    draft = torch.zeros((3, 2, 5))
+    draft[0, 0], draft[1, 1], draft[2, 0] = row(1, -1.0), row(3, -1.0), row(4, -1.0)
+    vs = VerifyStep(group_id="g", beam_width=2, temperature=temperature, top_k=0, top_p=1.0, length_penalty=1.0,
+                    ignore_eos=False, eos_token_id=eos, seed=0, step=0, path_req_ids=("r",), paths=((0, 3, 4, 7),),
+                    root_scores=(-0.5, float("-inf")), root_valid=(True, False),
+                    draft_parents=((0, 0), (1, 1), (0, 0)), draft_tokens=((2, 1), (3, 0), (0, 4)),
+                    draft_exists=((True,) * 2,) * 3, seq_len=4, num_out=2, width_threshold=1.0, min_width=1,
+                    num_logprobs=0, mjsd_tau=tau)
+    return target, draft.reshape(3, -1), vs
+
+
+@pytest.mark.parametrize("tau, passed", [(math.exp(-0.15), 2), (math.exp(-0.25), 3), (math.exp(-0.05), 0), (0.0, 3)])
+def test_the_engine_step_accepts_the_longest_passing_prefix_then_draws_a_bonus(tau, passed):
+    from vllm_dsbd.engine import mjsd_step
+
+    target, draft, vs = _verify_step(tau)
+    d = mjsd_step.verify([target], vs, draft)
+    path, tokens = (0, 3, 4, 7), [1, 3, 4]
+    assert d.num_passed == passed and not d.finished and len(d.beams) == 1
+    (c,) = d.beams
+    assert c.parent == path[passed] and [lp.logprob for lp in c.logprobs[:-1]] == pytest.approx(
+        [float(target[i].log_softmax(-1)[t]) for i, t in enumerate(tokens[:passed])])
+    assert target[passed].exp()[c.token] > 0  # the bonus comes from the target after the accepted prefix
+    assert c.score == pytest.approx(-0.5 + sum(lp.logprob for lp in c.logprobs))
+    assert d.num_proposed == [1, 1, 1] and d.num_accepted == [1] * passed + [0] * (3 - passed)
+
+
+def test_the_engine_step_ends_at_an_accepted_eos_without_a_bonus():
+    from vllm_dsbd.engine import mjsd_step
+
+    target, draft, vs = _verify_step(0.0, eos=3)  # the second path token is EOS; τ 0 accepts all three
+    d = mjsd_step.verify([target], vs, draft)
+    assert d.num_passed == 1 and not d.beams
+    (c,) = d.finished
+    assert (c.parent, c.token, len(c.logprobs)) == (3, 3, 2)

@@ -14,7 +14,8 @@
 - :mod:`.reference` — exact beam sampling, vLLM's beam search, and a complete
   reference DSBD decoder over logits functions.
 - :mod:`.mjsd` — MJSD (seed 004): the joint-likelihood acceptance rule of a
-  draft path and an exact reference decoder (the engine does not run it yet).
+  draft path and an exact reference decoder; the engine runs it through
+  ``engine.mjsd_step`` (``decoder: "mjsd"``).
 - :mod:`.toy` — small random Markov models to test with.
 
 ALGORITHM.md (shared/design) is the contract; each module's docstring lists

@@ -6,16 +6,24 @@ authors' public code; the issue gives it):
 1. **Draft.** The draft beam-samples ``K`` beams for ``γ`` steps at the
    request's temperature, top-k and top-p (the joint over beams x vocabulary,
    as DSBD's draft layers: :func:`joint.joint_probs`, ``K`` draws with
-   replacement per step); at ``T = 0`` it runs vLLM's beam search with ``K``
-   beams. The *draft path* is the final beam with the highest joint draft
-   log-probability (its cumulative score; ties: the lowest slot).
+   replacement per step, over ``K`` slots); at ``T = 0`` it runs vLLM's beam
+   search with ``K`` beams. A draft beam whose token finishes the sequence
+   (EOS unless ``ignore_eos``) is not grown further. The *draft path* is the
+   draft beam with the highest joint draft log-probability (its cumulative
+   tempered draft log-prob) among the last step's beams and the beams that
+   finished earlier (ties: the earlier step, then the lower slot).
 2. **Verify.** One target forward over the path gives, for every prefix
    length ``l``, ``log P(x_1..x_l) - log Q(x_1..x_l)``, the sums of
    :func:`token_logprobs` of the target and of the draft at the path's
    tokens. The longest ``l`` in ``1..γ`` with that difference ``>= log τ``
    is accepted (the longest, not the first failure; ``l = 0`` if none).
 3. **Bonus.** One token is drawn from the target's distribution after
-   ``x_1..x_l`` (at ``T = 0`` its argmax): at least one token per iteration.
+   ``x_1..x_l`` (at ``T = 0`` its argmax; else an inverse-CDF draw,
+   :func:`joint.sample_joint`): at least one token per iteration.
+
+Randomness: one ``torch.Generator`` per prompt drives every draw in order,
+or ``rng(iteration, salt)`` gives a fresh one per draw (salt: the draft step
+``1..γ``, 1000 for the bonus), as the engine seeds its draws.
 
 A path token that finishes the sequence (EOS, unless ``ignore_eos``) ends
 the accepted prefix there; no bonus token follows it.
@@ -38,14 +46,17 @@ from torch import Tensor
 
 from vllm_dsbd.algorithm.joint import (
     Generators,
+    sample_joint,
     beam_search_step,
     joint_probs,
     restrict_joint,
-    sample_joint,
     tempered_logprobs,
 )
 
 LogitsFn = Callable[[list[list[int]]], Tensor]
+Rng = Callable[[int, int], torch.Generator]  # (iteration, salt) -> the generator of one draw
+
+BONUS_SALT = 1_000
 
 
 def token_logprobs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
@@ -113,37 +124,57 @@ class MJSDResult:
 
 
 def draft_path(draft_fn: LogitsFn, prefix: list[int], params: MJSDParams, gamma: int,
-               generator: torch.Generator | None) -> list[int]:
-    """Step 1: ``K`` draft beams for ``gamma`` steps; the tokens of the one with the best joint score."""
+               rng: Callable[[int], torch.Generator | None]) -> list[int]:
+    """Step 1: ``K`` draft beams for ``gamma`` steps over ``K`` slots; the tokens of the best one.
+
+    ``rng(step)`` is the generator of draft step ``step`` (1-based).
+    """
     width = params.num_beams
-    beams: list[tuple[list[int], float]] = [([], 0.0)]
-    for i in range(gamma):
-        logits = draft_fn([prefix + b for b, _ in beams])
-        scores = torch.tensor([[s for _, s in beams]], dtype=torch.float64)
-        valid = torch.ones_like(scores, dtype=torch.bool)
+    growing: list[tuple[int, list[int], float]] = [(0, [], 0.0)]  # (slot, tokens, score) of the parents
+    best: tuple[float, list[int]] = (float("-inf"), [])
+    for step in range(1, gamma + 1):
+        if not growing:
+            break
+        logits = draft_fn([prefix + tokens for _, tokens, _ in growing]).float()
+        vocab = logits.shape[-1]
+        slots = torch.tensor([slot for slot, _, _ in growing])
+        scores = torch.full((1, width), float("-inf"), dtype=torch.float64)
+        scores[0, slots] = torch.tensor([score for _, _, score in growing], dtype=torch.float64)
+        valid = torch.zeros((1, width), dtype=torch.bool)
+        valid[0, slots] = True
+        lp = torch.zeros((width, vocab))
         if params.temperature > 0:
-            lp = tempered_logprobs(logits, params.temperature)  # [B, V]
+            lp[slots] = tempered_logprobs(logits, params.temperature)
             probs = joint_probs(scores, valid, lp[None], torch.tensor([params.top_k]), torch.tensor([params.top_p]))
-            vocab = lp.shape[-1]
-            draws = sample_joint(probs, width, generator)[0].tolist()
-            beams = [(beams[d // vocab][0] + [d % vocab], beams[d // vocab][1] + lp[d // vocab, d % vocab].item())
-                     for d in draws]
+            draws = sample_joint(probs, width, rng(step))[0]
+            parents, tokens = draws // vocab, draws % vocab
+            nodes = list(zip(parents.tolist(), tokens.tolist(), (scores[0, parents] + lp[parents, tokens].double()).tolist()))
         else:
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            step = beam_search_step(lp[None], scores, valid, torch.tensor([len(prefix) + i]), width, None,
-                                    torch.tensor([True]), torch.tensor([1.0], dtype=torch.float64))
-            beams = [(beams[p][0] + [t], c) for p, t, c, ok in zip(step.parents[0].tolist(), step.tokens[0].tolist(),
-                                                                   step.cum_logprobs[0].tolist(),
-                                                                   step.valid[0].tolist()) if ok]
-    best = max(range(len(beams)), key=lambda k: (beams[k][1], -k))
-    return beams[best][0]
+            lp[slots] = torch.log_softmax(logits, dim=-1)
+            res = beam_search_step(lp[None], scores, valid, torch.tensor([len(prefix) + step - 1]), width,
+                                   params.eos_token_id, torch.tensor([params.ignore_eos]),
+                                   torch.tensor([1.0], dtype=torch.float64))
+            keep = res.valid[0]
+            nodes = list(zip(res.parents[0][keep].tolist(), res.tokens[0][keep].tolist(),
+                             res.cum_logprobs[0][keep].tolist()))
+        by_slot = {slot: tokens for slot, tokens, _ in growing}
+        growing = []
+        for slot, (parent, token, score) in enumerate(nodes):
+            tokens = by_slot[parent] + [token]
+            if step == gamma or _finishes(token, params):  # a candidate draft path (strictly better only)
+                if score > best[0]:
+                    best = (score, tokens)
+            if step < gamma and not _finishes(token, params):
+                growing.append((slot, tokens, score))
+    return best[1]
 
 
 def mjsd_decode(target_fn: LogitsFn, draft_fn: LogitsFn, prompts: Sequence[Sequence[int]], params: MJSDParams,
-                generator: Generators | None = None) -> MJSDResult:
-    """The exact reference MJSD decoder, one prompt after the other (one generator, or one per prompt)."""
-    if params.temperature > 0 and generator is None:
-        raise ValueError("sampling (temperature > 0) needs a torch.Generator")
+                generator: Generators | None = None, rng: Rng | None = None) -> MJSDResult:
+    """The exact reference MJSD decoder, one prompt after the other (one generator, one per prompt, or
+    ``rng``: a generator per draw, as the engine seeds them)."""
+    if params.temperature > 0 and generator is None and rng is None:
+        raise ValueError("sampling (temperature > 0) needs a torch.Generator or rng")
     log_tau = torch.tensor([float("-inf") if params.tau == 0 else torch.tensor(params.tau).log().item()])
     result = MJSDResult([])
     for index, prompt in enumerate(prompts):
@@ -151,9 +182,14 @@ def mjsd_decode(target_fn: LogitsFn, draft_fn: LogitsFn, prompts: Sequence[Seque
         out: list[int] = []
         accepted, lengths = [], []
         while len(out) < params.max_tokens and not (out and _finishes(out[-1], params)):
+            iteration = len(accepted)
+
+            def draw_rng(salt: int) -> torch.Generator | None:
+                return gen if rng is None else rng(iteration, salt)
+
             prefix = list(prompt) + out
             gamma = min(params.num_speculative_tokens, params.max_tokens - len(out) - 1)
-            path = draft_path(draft_fn, prefix, params, gamma, gen) if gamma > 0 else []
+            path = draft_path(draft_fn, prefix, params, gamma, draw_rng) if gamma > 0 else []
             rows = [prefix + path[:j] for j in range(len(path) + 1)]
             target_logits = target_fn(rows)  # [len(path) + 1, V]
             l = 0
@@ -169,7 +205,7 @@ def mjsd_decode(target_fn: LogitsFn, draft_fn: LogitsFn, prompts: Sequence[Seque
             if finished_at is not None:
                 out += kept[: finished_at + 1]
             else:
-                out += kept + [_bonus(target_logits[l], params, gen)]
+                out += kept + [_bonus(target_logits[l], params, draw_rng(BONUS_SALT))]
             accepted.append(l)
             lengths.append(len(path))
         result.tokens.append(out)
@@ -184,7 +220,7 @@ def _finishes(token: int, params: MJSDParams) -> bool:
 
 def _bonus(logits: Tensor, params: MJSDParams, generator: torch.Generator | None) -> int:
     """Step 3: one token from the target's distribution after the accepted prefix."""
-    lp = token_logprobs(logits[None], params.temperature, params.top_k, params.top_p)[0]
+    lp = token_logprobs(logits[None].float(), params.temperature, params.top_k, params.top_p)[0]
     if params.temperature == 0:
         return int(lp.argmax())
-    return int(torch.multinomial(lp.exp(), 1, generator=generator))
+    return int(sample_joint(lp.exp()[None], 1, generator)[0, 0])

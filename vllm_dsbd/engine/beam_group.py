@@ -79,6 +79,7 @@ class BeamParams:
     auto_depth: bool = False  # γ of each iteration chosen by the scheduler (algorithm.depth), at most num_speculative_tokens
     stop_token_ids: tuple[int, ...] = ()  # SamplingParams.stop_token_ids: finish like EOS, even with ignore_eos
     stop: tuple[str, ...] = ()  # SamplingParams.stop: a beam whose generated text reaches one finishes like EOS
+    mjsd_tau: float | None = None  # MJSD (algorithm.mjsd): one sequence, K = beam_width draft beams; None: DSBD
 
     @property
     def finishing_token(self) -> int | None:
@@ -178,6 +179,10 @@ class BeamGroup:
     def speculative(self) -> bool:
         return self.params.num_speculative_tokens > 0
 
+    @property
+    def mjsd(self) -> bool:
+        return self.params.mjsd_tau is not None
+
     # ------------------------------------------------------------------
     # DSBD iterations: draft layers 1..γ, then one verification
     # ------------------------------------------------------------------
@@ -219,8 +224,8 @@ class BeamGroup:
 
     def draft_parents(self) -> list[tuple[int, Any, float]]:
         """(slot, request, path score) of the nodes the next draft layer grows from."""
-        if not self.layers:
-            return [(slot, b.request, b.score) for slot, b in enumerate(self.beams)]
+        if not self.layers:  # MJSD scores a draft path by its draft log-probs alone: log Q
+            return [(slot, b.request, 0.0 if self.mjsd else b.score) for slot, b in enumerate(self.beams)]
         return [(slot, n.request, n.score) for slot, n in enumerate(self.layers[-1]) if n.request is not None]
 
     def draft_plan(self) -> DraftStep:
@@ -229,7 +234,7 @@ class BeamGroup:
             **self.decoding(), layer=len(self.layers) + 1,
             req_ids=tuple(r.request_id for _, r, _ in parents), slots=tuple(s for s, _, _ in parents),
             scores=tuple(score for _, _, score in parents),
-            seq_len=self.prompt_len + self.num_generated + len(self.layers),
+            seq_len=self.prompt_len + self.num_generated + len(self.layers), mjsd=self.mjsd,
         )
 
     def apply_draft(self, decision: DraftDecision) -> StepEffects:
@@ -248,6 +253,8 @@ class BeamGroup:
         if self.layers:
             effects.ops += [Free(r) for _, r, _ in parents]
         self.layers.append(nodes)
+        if not any(isinstance(op, Fork) for op in effects.ops):
+            self.num_draft_layers = len(self.layers)  # every node finished: the forest ends here
         if not self.drafting:
             effects.ops += self._set_up_paths()
         return effects
@@ -280,6 +287,11 @@ class BeamGroup:
         paths = root_to_leaf_paths(forest)
         flat, cu = paths.path_nodes.tolist(), paths.cu_num_positions.tolist()
         node_tokens = forest.tokens.tolist()
+        if self.mjsd:
+            self.paths, self.aliases = [self._mjsd_path()], {}
+            self.path_requests = [PathRequest(self.beams[0].request, [node_tokens[n] for n in self.paths[0][1:]],
+                                              reuse_root=True)]
+            return list(self.path_requests)
         # A leaf drawn twice (same parent node, same token: beam sampling draws with replacement) has the
         # same target distribution as its twin: only the first one gets a path (fewer verified tokens).
         self.paths, self.aliases, twins = [], {}, {}
@@ -303,6 +315,25 @@ class BeamGroup:
             self.path_requests.append(request)
         return list(self.path_requests)
 
+    def _mjsd_path(self) -> tuple[int, ...]:
+        """MJSD verifies one path: to the draft beam with the highest joint draft log-prob (ties: the
+        earlier layer, then the lower slot). The candidates are the last layer's nodes and the nodes that
+        finished the sequence earlier (EOS, a stop token): the draft beams the draft did not grow."""
+        width = self.params.beam_width
+        best, best_score = 0, float("-inf")  # no draft layer: the root alone
+        for i, nodes in enumerate(self.layers):
+            for j, n in enumerate(nodes):
+                if (i == len(self.layers) - 1 or self._finishes(n.token)) and n.score > best_score:
+                    best, best_score = width + i * width + j, n.score
+        path = []
+        node = best
+        while node >= width:
+            path.append(node)
+            layer, slot = divmod(node - width, width)
+            parent = self.layers[layer][slot].parent
+            node = parent if layer == 0 else width + (layer - 1) * width + parent
+        return (node, *reversed(path))
+
     def verify_plan(self) -> VerifyStep:
         p = self.params
         width = p.beam_width
@@ -318,7 +349,7 @@ class BeamGroup:
             draft_exists=tuple(map(tuple, exists)), aliases=tuple(self.aliases.items()),
             seq_len=self.prompt_len + self.num_generated, num_out=1 if p.memory_efficient else width,
             width_threshold=1.0 if p.temperature == 0 else p.width_threshold, min_width=p.min_width,
-            num_logprobs=p.num_logprobs, tails=self.tails(self.beams),
+            num_logprobs=p.num_logprobs, tails=self.tails(self.beams), mjsd_tau=p.mjsd_tau,
         )
 
     def node_path(self, node: int) -> tuple[int, list[int]]:

@@ -40,7 +40,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_dsbd.config import DSBDConfig
-from vllm_dsbd.engine import beam_step, draft_head, spec_step
+from vllm_dsbd.engine import beam_step, draft_head, mjsd_step, spec_step
 from vllm_dsbd.engine.protocol import PLAN_ATTR, RESULT_ATTR, StepPlan, StepResult
 from vllm_dsbd.engine.stops import StopCheckers
 
@@ -164,6 +164,8 @@ class DSBDModelRunnerMixin:
         if plan.draft:
             for ds in plan.draft_steps:
                 decision, joint = spec_step.draft_layer(logits, last_row, ds)
+                if ds.mjsd:  # MJSD verifies by the draft's per-node distributions, not the joint
+                    joint = mjsd_step.node_logprobs(logits, last_row, ds)
                 if joint is not None:
                     self._dsbd_drafts.put(ds.group_id, ds.step, ds.layer, joint)
                 result.draft_decisions[ds.group_id] = decision
@@ -179,11 +181,12 @@ class DSBDModelRunnerMixin:
                 rows = [req_index[rid] for rid in vs.path_req_ids]
                 path_logits = [logits[start[i]:start[i] + count[i]] for i in rows]
                 joints = None
-                if vs.temperature > 0:
+                if vs.temperature > 0 or vs.mjsd_tau is not None:
                     num_layers = len(vs.draft_parents)
                     joints = (self._dsbd_drafts.take(vs.group_id, vs.step, num_layers) if num_layers
                               else torch.zeros((0, vs.beam_width * logits.shape[-1])))
-                decision = spec_step.verify(path_logits, vs, joints, self._dsbd_stops)
+                verify = spec_step.verify if vs.mjsd_tau is None else mjsd_step.verify
+                decision = verify(path_logits, vs, joints, self._dsbd_stops)
                 result.verify_decisions[vs.group_id] = decision
                 for i, tokens in zip(rows, _path_row_tokens(vs, decision)):
                     _set_row(sampled, discard, i, tokens)

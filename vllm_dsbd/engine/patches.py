@@ -441,7 +441,9 @@ def check_same_vocabulary(config: Any) -> None:
 #            into n engine requests) and the tokenizer's EOS id.
 #   how:     on a DSBD engine, validate the user's SamplingParams of a beam
 #            request (engine.requests.validate) and refuse a plain request
-#            whose extra_args name a near-miss of a DSBD knob
+#            whose extra_args name a near-miss of a DSBD knob; on an engine
+#            whose decoder is "mjsd" a plain request becomes an MJSD request
+#            (engine.requests.as_mjsd_request)
 #            (engine.requests.check_knob_typos), run the original, then add
 #            the private extra_args key engine.requests.GROUP_TAG to the
 #            request's (cloned) params.
@@ -460,6 +462,9 @@ def _validate_beam_requests() -> None:
         beam = isinstance(params, SamplingParams) and beam_requests.is_beam_request(params)
         if engine is not None and isinstance(params, SamplingParams) and not beam:
             beam_requests.check_knob_typos(params.extra_args)  # {"beam_widht": 4} is no plain request
+        if engine is not None and engine.mjsd and isinstance(params, SamplingParams) and not beam:
+            params = beam_requests.as_mjsd_request(params)  # an MJSD engine decodes plain requests by MJSD
+            beam = True
         if beam and engine is None:
             if params.n > 1 and params.temperature < 1e-5:
                 _original(SamplingParams, "_verify_greedy_sampling")(params)  # vLLM's own error

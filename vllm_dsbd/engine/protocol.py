@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 PLAN_ATTR = "dsbd_plan"
 RESULT_ATTR = "dsbd_result"
@@ -65,6 +65,7 @@ class DraftStep(GroupDecoding):
     slots: tuple[int, ...]  # [P] slot of each parent in its layer
     scores: tuple[float, ...]  # [P] path scores: target S of the beam + draft log-probs below it
     seq_len: int  # tokens per parent node now (prompt + generated + layer - 1)
+    mjsd: bool = False  # an MJSD group: the runner keeps the layer's per-node draft log-probs, not the joint
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ class VerifyStep(GroupDecoding):
     aliases: tuple[tuple[int, int], ...] = ()
     """(leaf, its twin): a leaf with the same parent and token as an earlier leaf of its layer is on no
     path; the target computed it once, on the twin's path (``BeamGroup._set_up_paths``)."""
+    mjsd_tau: float | None = None
+    """MJSD (``engine.mjsd_step``): ``paths`` is the one draft path to verify, with this τ; None: DSBD."""
 
 
 @dataclass

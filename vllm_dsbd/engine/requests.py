@@ -132,6 +132,10 @@ def validate(params: Any, engine: DSBDConfig) -> DSBDConfig:
             raise BeamRequestError(
                 f"Beam decoding (vllm-dsbd) does not support SamplingParams.{name}={value!r}; "
                 f"allowed: {unused!r} (leave it unset).", parameter=name)
+    if config.mjsd and params.n > 1:
+        raise BeamRequestError(
+            f"SamplingParams.n={params.n} with DSBD knob 'decoder'='mjsd': MJSD decodes one sequence per "
+            f"request; allowed: n = 1 (send n requests with different seeds for n samples).", parameter="n")
     if config.memory_efficient and params.n > 1:
         raise BeamRequestError(
             f"SamplingParams.n={params.n} with DSBD knob 'memory_efficient'=True: one beam is carried "
@@ -141,6 +145,18 @@ def validate(params: Any, engine: DSBDConfig) -> DSBDConfig:
             f"SamplingParams.n={params.n} is larger than DSBD knob 'beam_width'={config.beam_width}; "
             f"allowed: 1 <= n <= beam_width (n is the number of best hypotheses returned).", parameter="n")
     return config
+
+
+def as_mjsd_request(params: Any) -> Any:
+    """A plain request on an engine whose decoder is "mjsd": a copy of its params naming the decoder (the
+    user's own params are left as they were). n > 1 is refused: MJSD decodes one sequence."""
+    if params.n > 1:
+        raise BeamRequestError(
+            f"SamplingParams.n={params.n} on an MJSD engine (speculative config 'decoder': 'mjsd'): MJSD decodes "
+            f"one sequence per request; allowed: n = 1.", parameter="n", value=params.n)
+    params = params.clone()
+    params.extra_args = {**(params.extra_args or {}), "decoder": "mjsd"}
+    return params
 
 
 def check_capacity(config: DSBDConfig, max_num_seqs: int) -> None:
@@ -200,4 +216,5 @@ def beam_params(params: Any, engine: DSBDConfig, *, prompt_len: int, max_model_l
         min_width=config.min_width,
         memory_efficient=config.memory_efficient,
         auto_depth=config.auto_depth,
+        mjsd_tau=config.mjsd_tau if config.mjsd else None,
     )

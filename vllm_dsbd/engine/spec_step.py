@@ -38,7 +38,7 @@ from vllm_dsbd.algorithm import (
 from vllm_dsbd.engine.protocol import DraftDecision, DraftStep, TokenLogprob, VerifyChoice, VerifyDecision, VerifyStep
 from vllm_dsbd.engine.stops import StopCheckers
 
-_VERIFY_SALT = 1_000
+VERIFY_SALT = 1_000
 
 
 def generator(seed: int, step: int, salt: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -164,7 +164,7 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
     root_scores = torch.tensor([vs.root_scores], dtype=torch.float64)
     root_valid = torch.tensor([vs.root_valid])
     ignore_eos = torch.tensor([vs.ignore_eos])
-    completes = _node_completes(vs, stops)
+    completes = node_completes(vs, stops)
 
     def ends(parent_node: int, token: int) -> bool:
         return ((token == vs.eos_token_id and not vs.ignore_eos) or token in vs.stop_token_ids
@@ -182,7 +182,7 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
         res = verify_forest(
             target, root_scores, root_valid, draft_joints[None], parents, tokens, exists,
             torch.tensor([num_layers]), torch.tensor([vs.width_threshold]), vs.min_width, vs.num_out,
-            generator(vs.seed, vs.step, _VERIFY_SALT), torch.tensor([vs.top_k]), torch.tensor([vs.top_p]),
+            generator(vs.seed, vs.step, VERIFY_SALT), torch.tensor([vs.top_k]), torch.tensor([vs.top_p]),
             vs.eos_token_id, ignore_eos, vs.stop_token_ids, node_finishes,
         )
         passed = int(res.num_passed[0])
@@ -249,7 +249,7 @@ def _node_finishes(completes):
     return finishes
 
 
-def _node_completes(vs: VerifyStep, stops: StopCheckers | None):
+def node_completes(vs: VerifyStep, stops: StopCheckers | None):
     """``(layer, slot, token) -> bool``: the token completes a stop string after node (layer, slot)'s text
     (its root's tail, then the draft tokens down to it); None without stop strings."""
     if not vs.stop:
@@ -281,14 +281,15 @@ def _path_logprobs(raw: Tensor, parent_node: int, token: int, vs: VerifyStep, wi
         parent = node_id(layer, vs.draft_parents[layer][slot], width)
         chain.append((parent, vs.draft_tokens[layer][slot]))
         node = parent
-    out = []
-    for node, tok in reversed(chain):
-        row = raw[node]
-        lp = float(row[tok])
-        rank = int((row > row[tok]).sum()) + 1
-        top = ((), ())
-        if num_logprobs > 0:
-            vals, ids = row.topk(num_logprobs)
-            top = (tuple(ids.tolist()), tuple(vals.tolist()))
-        out.append(TokenLogprob(lp, rank, *top))
-    return tuple(out)
+    return tuple(token_logprob(raw[node], tok, num_logprobs) for node, tok in reversed(chain))
+
+
+def token_logprob(row: Tensor, token: int, num_logprobs: int) -> TokenLogprob:
+    """``token``'s entry of a raw log-prob row [V], with its rank and, for ``num_logprobs`` > 0, the top-k."""
+    lp = float(row[token])
+    rank = int((row > row[token]).sum()) + 1
+    top = ((), ())
+    if num_logprobs > 0:
+        vals, ids = row.topk(num_logprobs)
+        top = (tuple(ids.tolist()), tuple(vals.tolist()))
+    return TokenLogprob(lp, rank, *top)

@@ -38,7 +38,8 @@ def sampling_params_for(params: BeamSearchParams) -> SamplingParams:
         logprobs=0,
         skip_special_tokens=params.skip_special_tokens,
         include_stop_str_in_output=params.include_stop_str_in_output,
-        extra_args={"beam_width": params.beam_width, "length_penalty": params.length_penalty},
+        # "decoder": beam search even on an engine whose default decoder is MJSD
+        extra_args={"beam_width": params.beam_width, "length_penalty": params.length_penalty, "decoder": "dsbd"},
     )
 
 

@@ -1,0 +1,96 @@
+"""The runner's side of MJSD (``algorithm.mjsd``): one draft path verified by its joint likelihood.
+
+An MJSD group is a beam group with one beam and ``K = beam_width`` draft
+slots. Its draft layers are DSBD's (``spec_step.draft_layer``: K draft beams
+drawn from the joint over (slot, token), or the draft's beam search at
+``T = 0``); besides, the runner keeps each layer's per-node draft
+distribution ``log q(. | node)`` (:func:`node_logprobs`, the same
+temperature / top-k / top-p as the target's below). The scheduler's group
+picks the draft beam with the highest joint draft log-prob and sets up one
+path request for it; the target's forward over that path gives, here
+(:func:`verify`), the accepted prefix (the longest with ``log P - log Q >=
+log τ``) and one token drawn from the target after it.
+
+Pure torch plus ``vllm_dsbd.algorithm`` (no vLLM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from vllm_dsbd.algorithm import sample_joint
+from vllm_dsbd.algorithm.mjsd import accepted_length, token_logprobs
+from vllm_dsbd.engine.protocol import DraftStep, VerifyChoice, VerifyDecision, VerifyStep
+from vllm_dsbd.engine.spec_step import VERIFY_SALT, generator, node_completes, token_logprob
+from vllm_dsbd.engine.stops import StopCheckers
+
+
+def node_logprobs(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep) -> Tensor:
+    """[W*V] float32: ``log q(. | node)`` of every parent node of this draft layer, by slot (0 elsewhere)."""
+    rows = torch.tensor([row_of[r] for r in ds.req_ids], device=logits.device)
+    parent_logits = logits.index_select(0, rows).float()
+    out = torch.zeros((ds.beam_width, parent_logits.shape[-1]))
+    out[torch.tensor(ds.slots)] = token_logprobs(parent_logits.cpu(), ds.temperature, ds.top_k, ds.top_p,
+                                                 one_hot_at_zero=False)
+    return out.reshape(-1)
+
+
+def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_logprobs: Tensor,
+           stops: StopCheckers | None = None) -> VerifyDecision:
+    """Verify an MJSD group's draft path.
+
+    path_logits: one [len(path), V] tensor, the target's logits at the path's nodes (root first).
+    draft_logprobs: [layers, W*V], :func:`node_logprobs` of each draft layer.
+    """
+    (path,) = vs.paths
+    width = vs.beam_width
+    logits = path_logits[0].float().cpu()
+    vocab = logits.shape[-1]
+    layer_slot = [divmod(n - width, width) for n in path[1:]]  # (layer - 1, slot) of each path node
+    tokens = [vs.draft_tokens[i][j] for i, j in layer_slot]
+    q = torch.tensor([float(draft_logprobs[i].view(width, vocab)[vs.draft_parents[i][j], t])
+                      for (i, j), t in zip(layer_slot, tokens)], dtype=torch.float64)
+    target = token_logprobs(logits, vs.temperature, vs.top_k, vs.top_p)  # [len(path), V]
+    p = target[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].double()
+    log_tau = float("-inf") if vs.mjsd_tau == 0 else float(torch.tensor(vs.mjsd_tau, dtype=torch.float64).log())
+    accepted = int(accepted_length(p[None], q[None], torch.tensor([len(tokens)]), torch.tensor([log_tau]))[0])
+
+    raw = torch.log_softmax(logits, dim=-1)
+    completes = node_completes(vs, stops)
+
+    def ends(depth: int, token: int) -> bool:  # the token after the path's node at `depth` finishes
+        return ((token == vs.eos_token_id and not vs.ignore_eos) or token in vs.stop_token_ids
+                or (completes is not None and completes(*_layer_slot_at(path, depth, width), token)))
+
+    def choice(depth: int, token: int) -> VerifyChoice:
+        chain = [*zip(range(depth), tokens[:depth]), (depth, token)]
+        logprobs = tuple(token_logprob(raw[d], t, vs.num_logprobs) for d, t in chain)
+        score = vs.root_scores[0] + sum(lp.logprob for lp in logprobs)
+        return VerifyChoice(path[depth], token, score, logprobs)
+
+    finished_at = next((d for d in range(accepted) if ends(d, tokens[d])), None)
+    if finished_at is not None:  # an accepted token ends the sequence: no bonus token
+        passed, last = finished_at, choice(finished_at, tokens[finished_at])
+    else:
+        passed = accepted
+        if vs.temperature == 0:
+            bonus = int(target[passed].argmax())
+        else:
+            bonus = int(sample_joint(target[passed].exp()[None], 1, generator(vs.seed, vs.step, VERIFY_SALT))[0, 0])
+        last = choice(passed, bonus)
+    finished = [last] if ends(passed, last.token) else []
+    beams = [] if finished else [last]
+    # metrics: every path token was proposed (one node per layer), the first `passed` were accepted
+    proposed, accepted_nodes = [1] * len(tokens), [1 if d < passed else 0 for d in range(len(tokens))]
+    return VerifyDecision(vs.group_id, passed, beams, finished, proposed, accepted_nodes, [1] * passed + [len(beams)])
+
+
+def _layer_slot_at(path: tuple[int, ...], depth: int, width: int) -> tuple[int, int]:
+    """(layer, slot) of the path's node at ``depth`` (layer 0: the root)."""
+    if depth == 0:
+        return 0, path[0]
+    layer, slot = divmod(path[depth] - width, width)
+    return layer + 1, slot
