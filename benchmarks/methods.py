@@ -348,3 +348,20 @@ for _name, _description, _make in (
     ("dsbd-auto-dynamic", "DSBD, dynamic width (τ), auto_depth (T)", _dsbd_speculative(auto_depth=True)),
 ):  # fmt: skip
     method(_name, backend="vllm-dsbd", description=_description, needs_draft=True)(_make)
+
+
+def _mjsd(tau: float) -> Callable[[Any, Settings], GenerateFn]:
+    """An MJSD request (one sequence): K = W draft beams, γ, τ, temperature T."""
+
+    def make(llm, s: Settings) -> GenerateFn:
+        extra = {"decoder": "mjsd", "beam_width": s.beam_width, "mjsd_tau": tau}
+        return lambda prompts, max_tokens: _vllm_generate(
+            llm, prompts, _sampling_params(s, max_tokens, temperature=s.temperature, extra_args=extra))
+
+    return make
+
+
+MJSD_TAUS = (0.3, 0.5, 0.9)
+for _tau in MJSD_TAUS:
+    method(f"mjsd-tau-{_tau}", backend="vllm-dsbd", needs_draft=True,
+           description=f"MJSD, one sequence: K = W draft beams, γ, τ = {_tau} (T)")(_mjsd(_tau))

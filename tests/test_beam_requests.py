@@ -117,3 +117,28 @@ def test_engine_side_params_cap_max_tokens_by_max_model_len():
     _, unseeded = beam_requests.beam_params(sp(extra_args={"beam_width": 2}), ENGINE, prompt_len=3,
                                             max_model_len=64, default_seed=9)
     assert unseeded.seed == 9 and unseeded.num_logprobs == -1
+
+
+def test_a_plain_request_on_an_mjsd_engine_becomes_an_mjsd_request_without_touching_the_users_params():
+    engine = DSBDConfig(beam_width=4, num_speculative_tokens=3, decoder="mjsd")
+    user = sp(temperature=0.7, max_tokens=9, extra_args={"kv_transfer_params": None})
+    converted = beam_requests.as_mjsd_request(user)
+    assert user.extra_args == {"kv_transfer_params": None}
+    assert converted.extra_args == {"kv_transfer_params": None, "decoder": "mjsd"}
+    assert (converted.temperature, converted.max_tokens) == (0.7, 9)
+    assert beam_requests.is_beam_request(converted) and beam_requests.validate(converted, engine).mjsd
+    with pytest.raises(beam_requests.BeamRequestError, match=r"n=2 on an MJSD engine.*allowed: n = 1"):
+        beam_requests.as_mjsd_request(sp(n=2, temperature=1.0))
+
+
+def test_mjsd_requests_get_their_tau_and_one_output():
+    engine = DSBDConfig(beam_width=8, num_speculative_tokens=3)
+    config, params = beam_requests.beam_params(sp(temperature=1.0, max_tokens=5, extra_args={
+        "decoder": "mjsd", "mjsd_tau": 0.25, "beam_width": 6}), engine, prompt_len=3, max_model_len=64,
+        default_seed=1)
+    assert (params.mjsd_tau, params.beam_width, params.num_speculative_tokens, params.n) == (0.25, 6, 3, 1)
+    _, plain = beam_requests.beam_params(sp(extra_args={"beam_width": 2}), engine, prompt_len=3, max_model_len=64,
+                                         default_seed=1)
+    assert plain.mjsd_tau is None
+    with pytest.raises(beam_requests.BeamRequestError, match=r"n=3 with DSBD knob 'decoder'='mjsd'"):
+        beam_requests.validate(sp(n=3, temperature=1.0, extra_args={"decoder": "mjsd"}), engine)

@@ -134,3 +134,52 @@ def test_plan_lists_live_beams_in_beam_order():
     assert plan.req_ids == ("root", "fork1", "fork2")
     assert plan.scores == (-1.0, -2.0, -3.0)
     assert plan.seq_len == 5 and plan.step == 1 and plan.seed == 7
+
+
+def _mjsd_group(gamma=3):
+    root = Req("root")
+    group = BeamGroup("m", ["u"], prompt_len=4, params=params(n=1, temperature=1.0, num_speculative_tokens=gamma,
+                                                              mjsd_tau=0.5), root_request=root)
+    group.start_iteration()
+    return group, root
+
+
+def _draft(group, nodes):
+    from vllm_dsbd.engine.protocol import DraftDecision
+
+    effects = group.apply_draft(DraftDecision("m", [p for p, _, _ in nodes], [t for _, t, _ in nodes],
+                                              [s for _, _, s in nodes]))
+    for fork in effects.forks:
+        fork.child.request = Req(f"n{fork.token}")
+    return effects
+
+
+def test_an_mjsd_group_verifies_one_path_to_its_best_draft_beam():
+    """The draft starts from log Q = 0 (not the beam's target score); the path goes to the best-scoring
+    candidate: a last-layer node, or a node that ended the sequence earlier (EOS)."""
+    group, root = _mjsd_group()
+    group.beams[0].score = -7.0  # the target's score so far: not part of the draft's path scores
+    assert group.draft_plan().scores == (0.0,)
+    _draft(group, [(0, 5, -0.5), (0, EOS, -1.6), (0, 6, -1.0)])  # W 3 slots; EOS ends its draft beam
+    assert group.draft_plan().slots == (0, 2)
+    _draft(group, [(0, 7, -1.2), (2, 8, -1.1), (0, 9, -3.0)])
+    effects = _draft(group, [(1, 3, -2.5), (0, 4, -1.5), (1, 1, -1.5)])
+    (path_request,) = [op for op in effects.ops if type(op).__name__ == "PathRequest"]
+    assert group.paths == [(0, 3, 6, 10)]  # (layer 1, slot 0) -> (2, 0) -> (3, 1): -1.5, the first of a tie
+    assert path_request.root is root and path_request.spec_tokens == [5, 7, 4] and path_request.reuse_root
+    path_request.request = root  # the scheduler's part: the root's own request carries the path
+    assert group.verify_plan().mjsd_tau == 0.5
+
+
+def test_an_mjsd_path_may_end_at_an_earlier_eos():
+    group, _ = _mjsd_group(gamma=2)
+    _draft(group, [(0, EOS, -0.2), (0, 6, -0.4), (0, 7, -1.0)])
+    _draft(group, [(1, 3, -0.6), (2, 4, -1.1), (1, 5, -2.0)])
+    assert group.paths == [(0, 3)]  # the EOS node (score -0.2) beats every complete draft beam
+
+
+def test_a_draft_layer_whose_nodes_all_finish_ends_the_forest():
+    group, _ = _mjsd_group()
+    effects = _draft(group, [(0, EOS, -0.2), (0, EOS, -0.2), (0, EOS, -0.2)])
+    assert not group.drafting and group.num_draft_layers == 1 and group.paths == [(0, 3)]
+    assert not effects.forks
