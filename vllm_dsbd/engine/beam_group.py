@@ -270,7 +270,12 @@ class BeamGroup:
         return parents, tokens, exists
 
     def _set_up_paths(self) -> list[Op]:
-        """Root-to-leaf paths of the forest (``algorithm.forest`` order): one request each."""
+        """Root-to-leaf paths of the forest (``algorithm.forest`` order): one request each (MJSD: one path)."""
+        if self.mjsd:
+            path = self._mjsd_path()
+            self.paths, self.aliases = [path], {}
+            self.path_requests = [PathRequest(self.beams[0].request, self.node_path(path[-1])[1], reuse_root=True)]
+            return list(self.path_requests)
         from vllm_dsbd.algorithm.forest import build_forest, root_to_leaf_paths
         import torch
 
@@ -287,11 +292,6 @@ class BeamGroup:
         paths = root_to_leaf_paths(forest)
         flat, cu = paths.path_nodes.tolist(), paths.cu_num_positions.tolist()
         node_tokens = forest.tokens.tolist()
-        if self.mjsd:
-            self.paths, self.aliases = [self._mjsd_path()], {}
-            self.path_requests = [PathRequest(self.beams[0].request, [node_tokens[n] for n in self.paths[0][1:]],
-                                              reuse_root=True)]
-            return list(self.path_requests)
         # A leaf drawn twice (same parent node, same token: beam sampling draws with replacement) has the
         # same target distribution as its twin: only the first one gets a path (fewer verified tokens).
         self.paths, self.aliases, twins = [], {}, {}

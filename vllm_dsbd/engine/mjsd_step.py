@@ -24,7 +24,7 @@ from torch import Tensor
 from vllm_dsbd.algorithm import sample_joint
 from vllm_dsbd.algorithm.mjsd import accepted_length, token_logprobs
 from vllm_dsbd.engine.protocol import DraftStep, VerifyChoice, VerifyDecision, VerifyStep
-from vllm_dsbd.engine.spec_step import VERIFY_SALT, generator, node_completes, token_logprob
+from vllm_dsbd.engine.spec_step import VERIFY_SALT, generator, layer_slot, node_completes, token_logprob
 from vllm_dsbd.engine.stops import StopCheckers
 
 
@@ -63,7 +63,7 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_logprobs: Tensor
 
     def ends(depth: int, token: int) -> bool:  # the token after the path's node at `depth` finishes
         return ((token == vs.eos_token_id and not vs.ignore_eos) or token in vs.stop_token_ids
-                or (completes is not None and completes(*_layer_slot_at(path, depth, width), token)))
+                or (completes is not None and completes(*layer_slot(path[depth], width), token)))
 
     def choice(depth: int, token: int) -> VerifyChoice:
         chain = [*zip(range(depth), tokens[:depth]), (depth, token)]
@@ -87,10 +87,3 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_logprobs: Tensor
     proposed, accepted_nodes = [1] * len(tokens), [1 if d < passed else 0 for d in range(len(tokens))]
     return VerifyDecision(vs.group_id, passed, beams, finished, proposed, accepted_nodes, [1] * passed + [len(beams)])
 
-
-def _layer_slot_at(path: tuple[int, ...], depth: int, width: int) -> tuple[int, int]:
-    """(layer, slot) of the path's node at ``depth`` (layer 0: the root)."""
-    if depth == 0:
-        return 0, path[0]
-    layer, slot = divmod(path[depth] - width, width)
-    return layer + 1, slot

@@ -168,7 +168,7 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
 
     def ends(parent_node: int, token: int) -> bool:
         return ((token == vs.eos_token_id and not vs.ignore_eos) or token in vs.stop_token_ids
-                or (completes is not None and completes(*_layer_slot(parent_node, width), token)))
+                or (completes is not None and completes(*layer_slot(parent_node, width), token)))
 
     node_finishes = _node_finishes(completes)
 
@@ -229,7 +229,7 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
     return VerifyDecision(vs.group_id, passed, beams, finished, proposed[:verified], accepted, widths)
 
 
-def _layer_slot(node: int, width: int) -> tuple[int, int]:
+def layer_slot(node: int, width: int) -> tuple[int, int]:
     """(layer, slot) of a node id (layer 0: the roots)."""
     if node < width:
         return 0, node
