@@ -24,7 +24,12 @@ their widths: ``tokens_per_target_forward`` (beam layers per iteration) and
 ``mean_beam_width`` are the engine's ``vllm:dsbd_*`` metrics; ``step_profile`` is
 the runner's time per step kind (draft / verify / beam steps: worker seconds,
 model forward and logits, DSBD decisions) and ``wall_per_forward`` the row's
-wall time over the model forwards it contains.
+wall time over the model forwards it contains. ``forward_bound_speedup`` is
+the speedup the row would have if nothing but its model forwards took time
+(the baseline's forward seconds over the row's): the ceiling that removing
+every other cost could reach. ``--omp-bind`` sets vLLM's
+``VLLM_CPU_OMP_THREADS_BIND`` for the engine (``0-1``: the worker computes on
+cores 0 and 1; vLLM's default ``auto`` leaves one core to the engine core).
 
 Writes ``dsbd.json`` and ``dsbd.png`` into ``--out``.
 """
@@ -74,6 +79,8 @@ def _rows(gammas: list[int], temperature: float, auto: int) -> list[tuple[str, i
 
 def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if args.omp_bind:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
     from transformers import AutoTokenizer
     from vllm import LLM
 
@@ -90,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
     batches = [inputs] if args.batch == "all" else [[x] for x in inputs]
     auto_max = (args.auto_max or max(gammas)) if args.auto else 0  # γmax of the auto_depth rows
     vocab_sizes = [int(v) for v in args.draft_vocab_sizes.split(",")]
-    rows, baselines = [], {}  # baselines: temperature -> (seconds, tokens) of in-engine beam decoding
+    rows, baselines = [], {}  # baselines: temperature -> (seconds, tokens, forward seconds) of in-engine decoding
     for engine_index, vocab_size in enumerate(vocab_sizes):
         knobs = {"draft_vocab_size": vocab_size} if vocab_size else {}
         llm = LLM(**dsbd_engine_kwargs(target, draft, max(max(gammas), auto_max, 1), args.width, **knobs),
@@ -108,7 +115,8 @@ def run(args: argparse.Namespace) -> dict:
                      "max_tokens": args.max_tokens, "num_prompts": len(prompts),
                      "prompt_ids": [p.id for p in prompts],
                      "batch": "all prompts" if args.batch == "all" else "1 (prompts one after another)",
-                     "ignore_eos": True, "seed": args.seed, "dtype": "float32", "block_size": 32},
+                     "ignore_eos": True, "seed": args.seed, "dtype": "float32", "block_size": 32,
+                     "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")},
         "machine": machine_facts(),
         "results": rows,
     }
@@ -163,10 +171,11 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, vocab_
                    **run["counters"], "step_profile": profile,
                    "wall_per_forward": secs / max(forward_s, 1e-9)}
             if gamma == 0:
-                baselines[temperature] = (secs, tokens)
+                baselines[temperature] = (secs, tokens, forward_s)
             else:
-                base_secs, base_tokens = baselines[temperature]
+                base_secs, base_tokens, base_forward_s = baselines[temperature]
                 row["speedup_vs_in_engine"] = base_secs / secs
+                row["forward_bound_speedup"] = base_forward_s / max(forward_s, 1e-9)
                 row["tokens_per_target_forward"] = row["beam_layers"] / max(row["drafts"], 1)
                 row["mean_beam_width"] = row["beam_width_sum"] / max(row["beam_layers"], 1)
                 row["mean_draft_depth"] = row["draft_layers"] / max(row["drafts"], 1)
@@ -177,7 +186,7 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, vocab_
             print(f"[dsbd] T={temperature} γ={gamma} V'={vocab_size} {name} {secs:.2f} s "
                   + " ".join(f"{k}={v:.3g}" for k, v in row.items() if k in (
                       "speedup_vs_in_engine", "tokens_per_target_forward", "mean_beam_width", "mean_draft_depth",
-                      "node_acceptance", "wall_per_forward")), flush=True)
+                      "node_acceptance", "wall_per_forward", "forward_bound_speedup")), flush=True)
             for kind, p in sorted(profile.items()):
                 print(f"         {kind:7s} steps {p['steps']:4.0f}  tokens/step {p['tokens'] / p['steps']:6.1f}  "
                       f"ms/step {1e3 * p['step_s'] / p['steps']:7.1f}  forward {1e3 * p['forward_s'] / p['steps']:7.1f}"
@@ -207,11 +216,14 @@ def plot(result: dict, path: Path) -> None:
                        if r["method"] == name and r.get("draft_vocab_size", 0) == vocab]
                 if pts:
                     ax.scatter(*zip(*pts), marker=marker, s=90, label=f"{name} (γ chosen, at most x){suffix}")
+        ceilings = [(r["gamma"], r["forward_bound_speedup"]) for r in rows if "forward_bound_speedup" in r]
+        if ceilings:
+            ax.scatter(*zip(*ceilings), marker="_", s=200, color="black", label="ceiling: model forwards only")
         ax.axhline(1.0, color="gray", ls="--", lw=1, label="in-engine beam decoding (γ = 0)")
         ax.set_xlabel("γ (draft layers per iteration)")
         ax.set_ylabel("speedup vs in-engine (wall time)")
         ax.set_title(f"T={temperature}, W={s['width']}, {s['num_prompts']} prompts x {s['max_tokens']} tokens, "
-                     f"{result['machine']['cpu']}", fontsize=8)
+                     f"{result['machine']['cpu']}, worker cores {s.get('omp_threads_bind', 'auto')}", fontsize=8)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -234,6 +246,9 @@ def main() -> None:
     parser.add_argument("--draft-vocab-sizes", default="0",
                         help="draft_vocab_size of each engine, comma-separated (0: the whole vocabulary); "
                              "every engine runs every DSBD row against the first engine's in-engine rows")
+    parser.add_argument("--omp-bind", default=None,
+                        help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. 0-1: the worker on both cores of a "
+                             "2-core machine; default: the environment's, else vLLM's auto)")
     parser.add_argument("--out", default="benchmarks/results/dsbd")
     args = parser.parse_args()
     if not args.gammas.startswith("0"):
@@ -242,8 +257,8 @@ def main() -> None:
     out = Path(args.out)
     write_result(result, out, "dsbd", plot)
     for r in result["results"]:
-        extra = "".join(f"  {k} {r[k]:.2f}" for k in ("speedup_vs_in_engine", "tokens_per_target_forward",
-                                                      "mean_beam_width") if k in r)
+        extra = "".join(f"  {k} {r[k]:.2f}" for k in ("speedup_vs_in_engine", "forward_bound_speedup",
+                                                      "tokens_per_target_forward", "mean_beam_width") if k in r)
         print(f"T={r['temperature']} γ={r['gamma']} V'={r['draft_vocab_size']} {r['method']:17s} "
               f"{r['wall_s']:7.2f} s{extra}")
     print(f"written to {out}")
