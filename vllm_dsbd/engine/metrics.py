@@ -36,7 +36,7 @@ import prometheus_client
 from vllm.v1.metrics.utils import create_metric_per_engine
 from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
 
-from vllm_dsbd.engine.patches import METHOD
+from vllm_dsbd.config import METHOD
 
 #: the DSBD counts appended to ``SpecDecodingStats.num_draft_tokens_per_pos``, in this order
 EXTRA_SLOTS = ("beam_layers", "beam_width_sum", "draft_layers")

@@ -13,9 +13,9 @@ import hashlib
 import inspect
 from typing import Any, Literal, get_args
 
-from vllm_dsbd.config import ADDITIONAL_CONFIG_KEY, DSBDConfig
-
-METHOD = "dsbd"
+from vllm_dsbd.config import ADDITIONAL_CONFIG_KEY, METHOD, DSBDConfig
+from vllm_dsbd.engine.upstream import original as _original
+from vllm_dsbd.engine.upstream import wrapped as _wrapped
 
 #: sha256 of ``inspect.getsource`` of every upstream function a patch wraps
 #: or replaces (vLLM 0.32.0). A mismatch means the patch must be re-checked.
@@ -145,13 +145,6 @@ def source_sha256(fn: Any) -> str:
     return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
 
 
-def _original(owner: type, name: str) -> Any:
-    """The upstream function behind ``owner.name``, whether patched or not."""
-    fn = owner.__dict__[name]
-    fn = getattr(fn, "__func__", fn)  # staticmethod
-    return getattr(fn, "__dsbd_original__", fn)
-
-
 def upstream_function(qualname: str) -> Any:
     """Resolve a :data:`UPSTREAM_SHA256` key to the upstream function."""
     import importlib
@@ -161,14 +154,6 @@ def upstream_function(qualname: str) -> Any:
         return getattr(importlib.import_module(f"{module}.{owner}"), name)
     except ModuleNotFoundError:  # a method: "package.module.Class.method"
         return _original(getattr(importlib.import_module(module), owner), name)
-
-
-def _wrapped(original: Any, wrapper: Any) -> Any:
-    wrapper.__dsbd_original__ = original
-    wrapper.__name__ = original.__name__
-    wrapper.__qualname__ = original.__qualname__
-    wrapper.__doc__ = original.__doc__
-    return wrapper
 
 
 # ---------------------------------------------------------------------------

@@ -50,9 +50,9 @@ def vllm_builtin_beam_search(llm, prompts, params: BeamSearchParams, **kwargs) -
     """
     from vllm.entrypoints.generate.beam_search.offline import BeamSearchOfflineMixin
 
-    from vllm_dsbd.engine.patches import _original
+    from vllm_dsbd.engine.upstream import original
 
-    return _original(BeamSearchOfflineMixin, "beam_search")(llm, prompts, params, **kwargs)
+    return original(BeamSearchOfflineMixin, "beam_search")(llm, prompts, params, **kwargs)
 
 
 def offline_beam_search(llm, prompts, params: BeamSearchParams, lora_request=None,
