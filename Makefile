@@ -19,7 +19,7 @@ demo: models
 	@$(PY) -m vllm_dsbd.cli demo
 
 test: models
-	@bash scripts/pytest.sh tests -m "not qwen"
+	@bash scripts/pytest.sh tests -m "not qwen" --durations=15
 
 test-unit: setup
 	@bash scripts/pytest.sh tests -m "not engine and not qwen"

@@ -50,14 +50,16 @@ class DSBDEngine:
 
 
 def decode(rows: list[dict[str, Any]], engine_kwargs: dict[str, Any], num_engines: int = 2,
-           batch_size: int = 4) -> list[dict[str, Any]]:
+           batch_size: int = 4, **ray_remote_args: Any) -> list[dict[str, Any]]:
     """Run ``rows`` (id, prompt, width, temperature, seed (-1: none), max_tokens) through
-    ``num_engines`` engine actors; the results in the order of ``id``."""
+    ``num_engines`` engine actors; the results in the order of ``id``. ``ray_remote_args`` go to
+    the actors: Ray Data restarts a dead actor forever unless ``max_restarts=0`` is given, and
+    ``memory=BYTES`` reserves each actor's share of the cluster's memory resource."""
     import ray
 
     dataset = ray.data.from_items(rows).map_batches(
         DSBDEngine, fn_constructor_kwargs={"engine_kwargs": engine_kwargs}, batch_size=batch_size,
-        compute=ray.data.ActorPoolStrategy(size=num_engines), num_cpus=1)
+        compute=ray.data.ActorPoolStrategy(size=num_engines), num_cpus=1, **ray_remote_args)
     results = sorted(dataset.take_all(), key=lambda r: r["id"])
     return [{"id": r["id"], "texts": [str(t) for t in r["texts"]],
              "token_ids": [[int(i) for i in ids] for ids in r["token_ids"]]} for r in results]

@@ -25,8 +25,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_eos_target, tiny_pair, tmp_path_factory):
-    """DSBD drafting with the tiny draft (γ 2): beam requests speculate unless they ask for γ 0."""
+def server(engine_pool, tiny_eos_target, tiny_pair, tmp_path_factory):
+    """DSBD drafting with the tiny draft (γ 2): beam requests speculate unless they ask for γ 0. Started with
+    no pooled engine alive."""
+    engine_pool.clear()
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [sys.executable, "-m", "vllm_dsbd.cli", "serve", str(tiny_eos_target), "--served-model-name", "tiny",

@@ -24,7 +24,7 @@ def _frequent_inner_token(llm) -> int:
     return counts.most_common(1)[0][0]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def stop(dsbd_tiny_llm) -> int:
     return _frequent_inner_token(dsbd_tiny_llm)
 
@@ -77,7 +77,7 @@ def test_stop_tokens_end_sampled_hypotheses_too_and_ignore_eos_does_not_cancel_t
         assert all(len(c.token_ids) == MAX_TOKENS for c in hyps if c.token_ids[-1] != stop)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def stop_string(dsbd_tiny_llm) -> str:
     """A two-character string that beam search without stops writes inside its hypotheses."""
     from vllm import SamplingParams

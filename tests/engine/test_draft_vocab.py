@@ -16,11 +16,10 @@ KEEP = 1000  # of the tiny models' 49,152 token ids (SmolLM2's tokenizer: its sp
 PICKLE = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc with a function (the probe below)
 
 
-@pytest.fixture(scope="module")
-def reduced_llm(tiny_eos_target, tiny_pair):
-    llm = start_spec_llm(tiny_eos_target, tiny_pair.draft, PICKLE, knobs={"draft_vocab_size": KEEP})
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
+@pytest.fixture
+def reduced_llm(engine_pool, tiny_eos_target, tiny_pair):
+    return engine_pool.get("reduced_llm", lambda: start_spec_llm(tiny_eos_target, tiny_pair.draft, PICKLE,
+                                                                 knobs={"draft_vocab_size": KEEP}))
 
 
 def _draft_logits(worker) -> dict:

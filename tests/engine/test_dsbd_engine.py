@@ -64,12 +64,11 @@ def test_fixed_width_dsbd_is_distributed_as_beam_sampling(dsbd_tiny_spec_llm, ti
     assert_distributed_as_beam_sampling(outs, tiny_eos_target, width, max_tokens, top_k)
 
 
-@pytest.fixture(scope="module")
-def self_draft_llm(tiny_eos_target):
+@pytest.fixture
+def self_draft_llm(engine_pool, tiny_eos_target):
     """The draft is the target itself; the engine core runs in this process (its scheduler is inspected)."""
-    llm = start_spec_llm(tiny_eos_target, tiny_eos_target, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
+    return engine_pool.get("self_draft_llm", lambda: start_spec_llm(
+        tiny_eos_target, tiny_eos_target, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

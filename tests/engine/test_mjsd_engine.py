@@ -129,12 +129,11 @@ def test_bad_mjsd_knobs_are_refused_with_the_knob_named(dsbd_tiny_spec_llm, knob
         dsbd_tiny_spec_llm.generate(PROMPTS[:1], params, use_tqdm=False)
 
 
-@pytest.fixture(scope="module")
-def mjsd_engine(tiny_eos_target, tiny_pair):
+@pytest.fixture
+def mjsd_engine(engine_pool, tiny_eos_target, tiny_pair):
     """An engine whose decoder is MJSD (speculative config "decoder": "mjsd")."""
-    llm = start_spec_llm(tiny_eos_target, tiny_pair.draft, {}, knobs={"decoder": "mjsd", "mjsd_tau": 0.5})
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
+    return engine_pool.get("mjsd_engine", lambda: start_spec_llm(
+        tiny_eos_target, tiny_pair.draft, {}, knobs={"decoder": "mjsd", "mjsd_tau": 0.5}))
 
 
 def test_an_mjsd_engine_decodes_plain_requests_by_mjsd(mjsd_engine, tiny_eos_llm):

@@ -13,6 +13,10 @@ from beam_checks import PROMPTS  # tests/engine/beam_checks.py
 
 pytestmark = pytest.mark.engine
 
+# Each engine actor's reservation from the cluster's memory budget (conftest.RAY_MEMORY): a tiny speculative
+# engine's processes hold about 1.5 GB.
+ACTOR_MEMORY = 2 << 30
+
 
 def test_ray_data_outputs_equal_a_single_process_engine(ray_cluster, dsbd_tiny_spec_kwargs, dsbd_tiny_spec_llm):
     from ray_data_offline import decode, sampling_params  # examples/ (on the path of the Ray workers too)
@@ -22,7 +26,9 @@ def test_ray_data_outputs_equal_a_single_process_engine(ray_cluster, dsbd_tiny_s
             for i, (prompt, width, temperature, seed) in enumerate(
                 (prompt, width, temperature, 10 * k + width)
                 for k, prompt in enumerate(PROMPTS) for width, temperature in ((4, 0.0), (2, 1.0), (4, 1.0)))]
-    got = decode(rows, dsbd_tiny_spec_kwargs, num_engines=2, batch_size=3)
+    # no silent restarts: an actor killed (by Ray's memory monitor, say) fails the test with Ray's error
+    got = decode(rows, dsbd_tiny_spec_kwargs, num_engines=2, batch_size=3, max_restarts=0,
+                 memory=ACTOR_MEMORY)
 
     assert [r["id"] for r in got] == [r["id"] for r in rows]
     want = dsbd_tiny_spec_llm.generate(

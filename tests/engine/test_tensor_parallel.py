@@ -19,14 +19,12 @@ from beam_checks import (  # tests/engine/beam_checks.py
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module")
-def tp2_llm(tiny_eos_target):
-    draft = tiny_draft_two_heads()
+@pytest.fixture
+def tp2_llm(engine_pool, tiny_eos_target):
     # vLLM's CPU workers bind threads per NUMA node; this machine has one, so each rank gets a core by hand
-    llm = start_spec_llm(tiny_eos_target, draft, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tensor_parallel_size=2,
-                         distributed_executor_backend="mp")
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
+    return engine_pool.get("tp2_llm", lambda: start_spec_llm(
+        tiny_eos_target, tiny_draft_two_heads(), {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tensor_parallel_size=2,
+        distributed_executor_backend="mp"), alone=True)
 
 
 @pytest.mark.parametrize("width", [2, 4])

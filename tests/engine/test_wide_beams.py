@@ -11,18 +11,17 @@ pytestmark = pytest.mark.engine
 MAX_WIDTH = 128
 
 
-@pytest.fixture(scope="module")
-def wide_llm(tiny_eos_target):
+@pytest.fixture
+def wide_llm(engine_pool, tiny_eos_target):
     """A DSBD beam engine allowing W 128; max_logprobs 2W so vLLM's own loop can run on it too."""
     from vllm import LLM
 
     from vllm_dsbd.demo import beam_engine_kwargs
 
-    llm = LLM(**{**beam_engine_kwargs(str(tiny_eos_target), MAX_WIDTH), "max_model_len": 512,
-                 "kv_cache_memory_bytes": 256 << 20, "max_logprobs": 2 * MAX_WIDTH, "max_num_seqs": 2 * MAX_WIDTH,
-                 "disable_log_stats": False})
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
+    return engine_pool.get("wide_llm", lambda: LLM(**{
+        **beam_engine_kwargs(str(tiny_eos_target), MAX_WIDTH), "max_model_len": 512,
+        "kv_cache_memory_bytes": 256 << 20, "max_logprobs": 2 * MAX_WIDTH, "max_num_seqs": 2 * MAX_WIDTH,
+        "disable_log_stats": False}))
 
 
 @pytest.mark.parametrize("width", [64, MAX_WIDTH])
