@@ -215,10 +215,18 @@ def main(argv: list[str] | None = None) -> int:
         draft_model_tokens=args.draft_model_tokens or config.draft_model_tokens,
     )
     out_dir = args.out or Path(config.out_dir)
-    run(config, settings, out_dir)
+    result = run(config, settings, out_dir)
     print((out_dir / "table.md").read_text())
     print(f"results in {out_dir}/")
-    return 0
+    failed = failed_methods(result)
+    if failed:
+        print(f"[bench] FAILED: {', '.join(failed)} (their errors are in the results and above)", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def failed_methods(result: dict) -> list[str]:
+    """Methods whose run raised (skipped ones, e.g. an unavailable backend, are not failures)."""
+    return [name for name, m in result["methods"].items() if m.get("status") == "error"]
 
 
 if __name__ == "__main__":  # vLLM spawns processes: keep the entry point guarded

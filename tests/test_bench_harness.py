@@ -224,3 +224,19 @@ def test_results_are_written_with_na_for_unobservable_metrics(tmp_path):
     assert "`b` skipped: needs a draft" in table
     assert json.loads((tmp_path / "requests.jsonl").read_text())["text"] == "hi"
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_the_harness_exits_non_zero_when_a_method_raised(tmp_path, monkeypatch, capsys):
+    """A method whose run raised is recorded in the results and fails the command; skipped ones do not."""
+    from benchmarks import run as bench_run
+
+    def fake_run(config, settings, out_dir, status):
+        (out_dir / "table.md").write_text("table\n")
+        return {"methods": {"a": {"status": "ok"}, "b": {"status": "skipped"}, "c": {"status": status}}}
+
+    for status, want in (("error", 1), ("ok", 0), ("skipped", 0)):
+        monkeypatch.setattr(bench_run, "run", lambda c, s, o, st=status: fake_run(c, s, o, st))
+        code = bench_run.main(["--config", "benchmarks/configs/quick.json", "--out", str(tmp_path),
+                               "--target", "t", "--draft", "d"])
+        assert code == want, status
+    assert "FAILED: c" in capsys.readouterr().err

@@ -197,3 +197,25 @@ def test_draft_with_another_vocabulary_is_refused(tiny_pair, tmp_path):
     args.speculative_config["model"] = str(draft)
     with pytest.raises(ValueError, match=r"vocab_size=49152.*vocab_size=32000"):
         args.create_engine_config()
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_use_beam_search_params_keep_the_requests_stop_rules(kind):
+    """Patch 11: the server's BeamSearchParams carry `stop` and `stop_token_ids` into the beam request."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from vllm_dsbd.entrypoints.beam_search import sampling_params_for
+
+    common = dict(model="m", n=3, use_beam_search=True, length_penalty=0.5, stop_token_ids=[7, 9])
+    if kind == "completion":
+        request = CompletionRequest(prompt="p", stop="\n", **common)
+    else:
+        request = ChatCompletionRequest(messages=[{"role": "user", "content": "p"}], stop=["\n", "END"], **common)
+    params = request.to_beam_search_params(8, {})
+    beam = sampling_params_for(params)
+    assert (params.beam_width, params.max_tokens, params.length_penalty) == (3, 8, 0.5)
+    assert beam.stop == (["\n"] if kind == "completion" else ["\n", "END"]) and beam.stop_token_ids == [7, 9]
+    assert beam.n == 3 and beam.extra_args["beam_width"] == 3 and beam.extra_args["length_penalty"] == 0.5
+    none = sampling_params_for(CompletionRequest(model="m", prompt="p", n=2).to_beam_search_params(8, {}))
+    assert none.stop == [] and none.stop_token_ids == []

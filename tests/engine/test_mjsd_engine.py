@@ -105,6 +105,26 @@ def test_mjsd_dsbd_and_plain_requests_share_a_batch(dsbd_tiny_spec_llm, tiny_eos
         assert [list(c.token_ids) for c in g.outputs] == [s.tokens[prompt_len:] for s in w.sequences]
 
 
+def test_mjsd_with_stop_strings_is_the_greedy_output_cut_at_them(dsbd_tiny_spec_llm, tiny_eos_llm):
+    """A stop string that greedy decoding writes mid-text (once the MJSD worker died on any stop string: a
+    local name shadowed the node-id helper): MJSD returns the greedy request's text, tokens and finish reason
+    under the same stop rule, and the engine keeps serving."""
+    from vllm import SamplingParams
+
+    full = tiny_eos_llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    stops = [o.outputs[0].text[3:5] for o in full]  # two characters greedy decoding writes mid-text
+    for include in (False, True):
+        rules = dict(temperature=0.0, max_tokens=16, stop=stops, include_stop_str_in_output=include)
+        want = tiny_eos_llm.generate(PROMPTS, SamplingParams(**rules), use_tqdm=False)
+        got = dsbd_tiny_spec_llm.generate(PROMPTS, SamplingParams(**rules, extra_args={
+            "decoder": "mjsd", "beam_width": 3, "num_speculative_tokens": 3}), use_tqdm=False)
+        fields = ("text", "token_ids", "finish_reason", "stop_reason")
+        for g, w in zip(got, want):
+            assert [getattr(g.outputs[0], f) for f in fields] == [getattr(w.outputs[0], f) for f in fields]
+        assert sum(w.outputs[0].stop_reason in stops for w in want) >= 2  # the stop strings were hit
+    assert _greedy(dsbd_tiny_spec_llm, PROMPTS[:1], 4) == _greedy(tiny_eos_llm, PROMPTS[:1], 4)
+
+
 def test_mjsd_frees_its_kv(dsbd_tiny_spec_llm):
     assert_kv_freed_after_finish_and_abort(
         dsbd_tiny_spec_llm, _mjsd(12, temperature=1.0, beam_width=4, seed=1),

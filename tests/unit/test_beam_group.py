@@ -183,3 +183,16 @@ def test_a_draft_layer_whose_nodes_all_finish_ends_the_forest():
     effects = _draft(group, [(0, EOS, -0.2), (0, EOS, -0.2), (0, EOS, -0.2)])
     assert not group.drafting and group.num_draft_layers == 1 and group.paths == [(0, 3)]
     assert not effects.forks
+
+
+def test_mjsd_and_dsbd_groups_never_share_depth_statistics():
+    """auto_depth's acceptance statistics are keyed by decoding kind: an MJSD group (mjsd_tau set) that
+    otherwise decodes like a DSBD group gets another key, two DSBD groups alike share one."""
+    from vllm_dsbd.engine.scheduler import _depth_key
+
+    def group(**kw):
+        return BeamGroup("g", ["u0"], prompt_len=4, params=params(n=1, num_speculative_tokens=2, **kw),
+                         root_request=Req("root"))
+
+    assert _depth_key(group()) == _depth_key(group())
+    assert _depth_key(group(mjsd_tau=0.5)) != _depth_key(group())

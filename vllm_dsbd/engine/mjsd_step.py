@@ -49,10 +49,10 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_logprobs: Tensor
     width = vs.beam_width
     logits = path_logits[0].float().cpu()
     vocab = logits.shape[-1]
-    layer_slot = [divmod(n - width, width) for n in path[1:]]  # (layer - 1, slot) of each path node
-    tokens = [vs.draft_tokens[i][j] for i, j in layer_slot]
-    q = torch.tensor([float(draft_logprobs[i].view(width, vocab)[vs.draft_parents[i][j], t])
-                      for (i, j), t in zip(layer_slot, tokens)], dtype=torch.float64)
+    slots = [layer_slot(n, width) for n in path[1:]]  # (layer, slot) of each path node; layer l is draft row l - 1
+    tokens = [vs.draft_tokens[layer - 1][slot] for layer, slot in slots]
+    q = torch.tensor([float(draft_logprobs[layer - 1].view(width, vocab)[vs.draft_parents[layer - 1][slot], t])
+                      for (layer, slot), t in zip(slots, tokens)], dtype=torch.float64)
     target = token_logprobs(logits, vs.temperature, vs.top_k, vs.top_p)  # [len(path), V]
     p = target[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].double()
     log_tau = float("-inf") if vs.mjsd_tau == 0 else float(torch.tensor(vs.mjsd_tau, dtype=torch.float64).log())

@@ -59,6 +59,12 @@ UPSTREAM_SHA256 = {
     "vllm.entrypoints.generate.beam_search.online.BeamSearchOnlineMixin.beam_search": (
         "e2e6d1893a8f2c1d8109f31994a108c5ecc88752a7129d3d68be27ac0a49091d"
     ),
+    "vllm.entrypoints.openai.completion.protocol.CompletionRequest.to_beam_search_params": (
+        "a1d956e4e6f9f7e7ab40761e19d1de4514176fcd94c11158946c1be7c3df664a"
+    ),
+    "vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionRequest.to_beam_search_params": (
+        "811f6b3777f9c523df5a0885804a349971e5e82619062e5b730436d233812c32"
+    ),
 }
 
 #: sha256 of upstream functions the DSBD scheduler, runner and workers
@@ -563,6 +569,35 @@ def _dsbd_spec_decoding_metrics() -> None:
 
 
 # ---------------------------------------------------------------------------
+# Patch 11 — the server's use_beam_search keeps the request's stop rules.
+#   target:  vllm.entrypoints.openai.completion.protocol.CompletionRequest.to_beam_search_params
+#            vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionRequest.to_beam_search_params
+#   why:     they build vLLM's BeamSearchParams, which has no stop fields: a
+#            use_beam_search request's `stop` and `stop_token_ids` were
+#            dropped without a word (vLLM's own loop ignores them too).
+#   how:     return vllm_dsbd.entrypoints.beam_search.BeamRequestParams (a
+#            BeamSearchParams subclass carrying them), which patch 9 turns into
+#            a beam request with the same stop rules; vLLM's own loop, on
+#            other engines, reads only the fields it knows.
+#   remove-when: vLLM's BeamSearchParams carries stop rules.
+# ---------------------------------------------------------------------------
+def _beam_search_params_keep_stops() -> None:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from vllm_dsbd.entrypoints.beam_search import BeamRequestParams
+
+    for request_cls in (CompletionRequest, ChatCompletionRequest):
+        original = _original(request_cls, "to_beam_search_params")
+
+        def to_beam_search_params(self, *args, _original=original, **kwargs):
+            params = _original(self, *args, **kwargs)
+            return BeamRequestParams.with_stops(params, self.stop, self.stop_token_ids)
+
+        request_cls.to_beam_search_params = _wrapped(original, to_beam_search_params)
+
+
+# ---------------------------------------------------------------------------
 # Workaround (not in PATCHES; applied by `vllm-dsbd serve` only) — vLLM's CLI
 # on the CPU build.
 #   target:  importlib.metadata.version, as called by
@@ -606,6 +641,7 @@ PATCHES = (
     _beam_search_through_engine,
     _online_beam_search_through_engine,
     _dsbd_spec_decoding_metrics,
+    _beam_search_params_keep_stops,
 )
 
 

@@ -713,9 +713,10 @@ def _phase(group: BeamGroup) -> str:
 
 
 def _depth_key(group: BeamGroup) -> tuple:
-    """Groups that decode alike share their acceptance statistics (auto_depth)."""
+    """Groups that decode alike share their acceptance statistics (auto_depth); MJSD's passed prefixes
+    follow another rule than DSBD's layers, so its groups never share a DSBD group's statistics."""
     p = group.params
-    return p.temperature == 0, p.width_threshold, p.beam_width, p.memory_efficient, p.top_k, p.top_p
+    return group.mjsd, p.temperature == 0, p.width_threshold, p.beam_width, p.memory_efficient, p.top_k, p.top_p
 
 
 def _decision(result, kind: str, group_id: str):

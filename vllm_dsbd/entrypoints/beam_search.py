@@ -16,7 +16,13 @@ holds the 2W candidates).
 
 Both entry points are reached through ``vllm_dsbd.engine.patches`` (patches 8
 and 9): ``LLM.beam_search`` offline, and the OpenAI server's
-``use_beam_search`` (completions and chat completions).
+``use_beam_search`` (completions and chat completions). vLLM's
+``BeamSearchParams`` has no stop rules, and its server drops a request's
+``stop`` and ``stop_token_ids`` when it builds them; patch 11 builds
+:class:`BeamRequestParams` instead, which keep them, and the beam request
+applies them as a ``generate`` beam request does (a hypothesis finishes at a
+stop string or stop token as at EOS). Offline, pass ``BeamRequestParams`` to
+``LLM.beam_search`` for the same.
 """
 
 from __future__ import annotations
@@ -26,8 +32,24 @@ from vllm.inputs import tokens_input
 from vllm.sampling_params import BeamSearchParams, SamplingParams
 
 
+class BeamRequestParams(BeamSearchParams):
+    """``BeamSearchParams`` with the stop rules a beam request honours (vLLM's have none)."""
+
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+
+    @classmethod
+    def with_stops(cls, params: BeamSearchParams, stop: str | list[str] | None,
+                   stop_token_ids: list[int] | None) -> BeamRequestParams:
+        """``params`` plus a request's ``stop`` (one string or a list) and ``stop_token_ids``."""
+        fields = {name: getattr(params, name) for name in BeamSearchParams.__struct_fields__}
+        stops = [stop] if isinstance(stop, str) else stop
+        return cls(**fields, stop=list(stops) if stops else None,
+                   stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
+
+
 def sampling_params_for(params: BeamSearchParams) -> SamplingParams:
-    """The beam request that answers a ``BeamSearchParams``."""
+    """The beam request that answers a ``BeamSearchParams`` (with a ``BeamRequestParams``' stop rules)."""
     if params.structured_outputs is not None:
         raise NotImplementedError("Beam search with structured outputs is not supported on a DSBD engine.")
     return SamplingParams(
@@ -38,6 +60,8 @@ def sampling_params_for(params: BeamSearchParams) -> SamplingParams:
         logprobs=0,
         skip_special_tokens=params.skip_special_tokens,
         include_stop_str_in_output=params.include_stop_str_in_output,
+        stop=getattr(params, "stop", None),
+        stop_token_ids=getattr(params, "stop_token_ids", None),
         # "decoder": beam search even on an engine whose default decoder is MJSD
         extra_args={"beam_width": params.beam_width, "length_penalty": params.length_penalty, "decoder": "dsbd"},
     )
