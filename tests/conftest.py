@@ -5,7 +5,7 @@ engines; an idle engine holds 1-3 GB, so at most ``POOL_CAPACITY`` are alive
 at once (``engine_pool.py``) and the test modules run in an order that keeps
 tests of the same engines together (``MODULE_ORDER``). Every test has a
 timeout, and the run ends with the peak memory of its process tree
-(``suite_budget.py``). Budgets: tests/README.md.
+(``suite_budget.py``). Budgets: docs/testing.md.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_pool import EnginePool  # tests/engine_pool.py
+from engine_pool import MODULE_ORDER, EnginePool  # tests/engine_pool.py
 from suite_budget import MemorySampler  # tests/suite_budget.py
 
 from vllm_dsbd import TRACE_REGISTER_ENV, models
@@ -30,24 +30,9 @@ _TRACE = Path(os.environ.setdefault(
 # --- suite order, timeouts, memory --------------------------------------------------------------
 
 # Pooled engines alive at once. Each engine's processes hold about 2-2.5 GB summed RSS here (tiny or
-# default target alike: mostly torch and vLLM themselves), the pytest process about 1.5 GB.
-POOL_CAPACITY = 4
-
-# Engine test modules in the order they run, grouped by the engines they share; modules not
-# listed run first in collection order (the unit tests), and the ones that start engines of
-# their own beside the pool's (tensor parallelism, Ray, the server) run last, each after
-# clearing the pool.
-MODULE_ORDER = [
-    "engine/test_foundation_engine.py", "engine/test_reference_vs_vllm.py",  # tiny_llm, target_llm
-    "engine/test_draft_engine.py",  # target_llm
-    "engine/test_beam_engine.py",  # dsbd_tiny_llm, dsbd_target_llm, target_llm, tiny_eos_llm
-    "engine/test_beam_logprobs.py", "engine/test_beam_stop_tokens.py",  # dsbd_tiny_llm, dsbd_tiny_spec_llm
-    "engine/test_draft_vocab.py", "engine/test_wide_beams.py",  # tiny_eos_llm, their own
-    "engine/test_auto_depth.py", "engine/test_dsbd_engine.py", "engine/test_mjsd_engine.py",
-    # dsbd_tiny_spec_llm, tiny_eos_llm, dsbd_spec_target_llm, target_llm
-    "engine/test_tensor_parallel.py", "engine/test_ray_executor.py", "engine/test_ray_data_example.py",
-    "e2e/test_serve.py",
-]
+# default target alike: mostly torch and vLLM themselves), the pytest process 1.5-3 GB. With 4 the suite
+# peaked at 14.0 GB (5 engine starts fewer, about a minute and a half): too close to the budget.
+POOL_CAPACITY = 3
 
 # pytest-timeout limits (s): covers a test's setup too, so an engine start is inside the limit.
 TIMEOUT_S = 300

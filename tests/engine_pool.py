@@ -30,6 +30,22 @@ from typing import Any, Callable
 
 NEVER = float("inf")
 
+# Engine test modules in the order they run, grouped by the engines they share; modules not
+# listed run first in collection order (the unit tests), and the ones that start engines of
+# their own beside the pool's (tensor parallelism, Ray, the server) run last, each after
+# clearing the pool.
+MODULE_ORDER = [
+    "engine/test_foundation_engine.py", "engine/test_reference_vs_vllm.py",  # tiny_llm, target_llm
+    "engine/test_draft_engine.py",  # target_llm
+    "engine/test_beam_engine.py",  # dsbd_tiny_llm, dsbd_target_llm, target_llm, tiny_eos_llm
+    "engine/test_beam_logprobs.py", "engine/test_beam_stop_tokens.py",  # dsbd_tiny_llm, dsbd_tiny_spec_llm
+    "engine/test_draft_vocab.py", "engine/test_wide_beams.py",  # tiny_eos_llm, their own
+    "engine/test_auto_depth.py", "engine/test_dsbd_engine.py", "engine/test_mjsd_engine.py",
+    # dsbd_tiny_spec_llm, tiny_eos_llm, dsbd_spec_target_llm, target_llm
+    "engine/test_tensor_parallel.py", "engine/test_ray_executor.py", "engine/test_ray_data_example.py",
+    "e2e/test_serve.py",
+]
+
 
 def shutdown(llm: Any) -> None:
     """End ``llm``'s engine core (and with it its worker processes) now."""

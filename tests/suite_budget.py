@@ -15,9 +15,9 @@ import threading
 
 import psutil
 
-# The suite's budget for the summed RSS of its process tree (docs: tests/README.md).
-BUDGET_GIB = 14.0
-_GIB = float(1 << 30)
+# The suite's budget for the summed RSS of its process tree, in GB (10^9 bytes; docs/testing.md).
+BUDGET_GB = 14.0
+_GB = 1e9
 
 
 def tree_rss(root: psutil.Process) -> int:
@@ -72,10 +72,10 @@ class MemorySampler:
             self._stop.wait(self.interval)
 
     def report(self, top: int = 5) -> list[str]:
-        verdict = "within" if self.peak <= BUDGET_GIB * _GIB else "OVER"
-        lines = [f"peak memory: {self.peak / _GIB:.1f} GiB summed RSS of the test process tree "
-                 f"({verdict} the {BUDGET_GIB:.0f} GiB budget), during {self.peak_test}; "
-                 f"machine used peak {self.machine_peak / _GIB:.1f} GiB"]
+        verdict = "within" if self.peak <= BUDGET_GB * _GB else "OVER"
+        lines = [f"peak memory: {self.peak / _GB:.1f} GB summed RSS of the test process tree "
+                 f"({verdict} the {BUDGET_GB:.0f} GB budget), during {self.peak_test}; "
+                 f"machine used peak {self.machine_peak / _GB:.1f} GB"]
         worst = sorted(self.per_test.items(), key=lambda kv: -kv[1])[:top]
-        lines += [f"  {rss / _GIB:5.1f} GiB  {test}" for test, rss in worst]
+        lines += [f"  {rss / _GB:5.1f} GB  {test}" for test, rss in worst]
         return lines

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import conftest  # tests/conftest.py
 import pytest
-from engine_pool import EnginePool  # tests/engine_pool.py
+from engine_pool import MODULE_ORDER, EnginePool  # tests/engine_pool.py
 
 
 class FakeCore:
@@ -70,9 +69,9 @@ def test_capacity_below_one_is_refused():
 
 
 def test_every_engine_test_module_has_a_place_in_the_suite_order():
-    here = Path(conftest.__file__).parent
+    here = Path(__file__).parent
     engine_modules = {p.relative_to(here).as_posix() for d in ("engine", "e2e") for p in (here / d).glob("test_*.py")}
-    assert engine_modules == set(conftest.MODULE_ORDER)
+    assert engine_modules == set(MODULE_ORDER)
     # those that start engines of their own beside the pool's come last
-    assert conftest.MODULE_ORDER[-4:] == ["engine/test_tensor_parallel.py", "engine/test_ray_executor.py",
+    assert MODULE_ORDER[-4:] == ["engine/test_tensor_parallel.py", "engine/test_ray_executor.py",
                                           "engine/test_ray_data_example.py", "e2e/test_serve.py"]

@@ -16,6 +16,7 @@ import pytest
 pytestmark = [pytest.mark.engine, pytest.mark.e2e]
 
 PROMPT = "Once upon a time"
+STOP_PROMPT = "The capital of France is"  # the tiny target's greedy text and best beams here run past 5 characters
 
 
 def _free_port() -> int:
@@ -70,10 +71,10 @@ def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
 
 
-def _offline(llm, **params):
+def _offline(llm, prompt=PROMPT, **params):
     from vllm import SamplingParams
 
-    (out,) = llm.generate([PROMPT], SamplingParams(**params), use_tqdm=False)
+    (out,) = llm.generate([prompt], SamplingParams(**params), use_tqdm=False)
     return [c.text for c in out.outputs]
 
 
@@ -90,12 +91,13 @@ def test_completions_use_beam_search_is_in_engine_beam_search(client, dsbd_tiny_
 def test_use_beam_search_honours_stop_strings(client, dsbd_tiny_llm):
     """use_beam_search with `stop` (vLLM's server dropped it): the hypotheses of the same beam request
     offline, under the same stop rule; the stop string was reached."""
-    free = _offline(dsbd_tiny_llm, n=4, temperature=0.0, max_tokens=12, extra_args={"beam_width": 4})
+    free = _offline(dsbd_tiny_llm, STOP_PROMPT, n=4, temperature=0.0, max_tokens=12, extra_args={"beam_width": 4})
+    assert len(free[0]) >= 6
     stop = free[0][3:5]  # two characters the best hypothesis writes mid-text
-    r = client.completions.create(model="tiny", prompt=PROMPT, n=4, max_tokens=12, temperature=0.0, stop=[stop],
-                                  extra_body={"use_beam_search": True})
+    r = client.completions.create(model="tiny", prompt=STOP_PROMPT, n=4, max_tokens=12, temperature=0.0,
+                                  stop=[stop], extra_body={"use_beam_search": True})
     texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
-    assert texts == _offline(dsbd_tiny_llm, n=4, temperature=0.0, max_tokens=12, stop=[stop],
+    assert texts == _offline(dsbd_tiny_llm, STOP_PROMPT, n=4, temperature=0.0, max_tokens=12, stop=[stop],
                              extra_args={"beam_width": 4})
     assert texts != free and not any(stop in t for t in texts)
 
@@ -103,12 +105,14 @@ def test_use_beam_search_honours_stop_strings(client, dsbd_tiny_llm):
 def test_mjsd_with_a_stop_string_is_served_and_the_server_keeps_serving(client, dsbd_tiny_llm):
     """An MJSD request with a stop string (it once killed the engine: every later request answered 500):
     T 0 gives the greedy text cut at the stop string."""
-    free = _offline(dsbd_tiny_llm, temperature=0.0, max_tokens=16)[0]
-    stop = free[3:5]
+    free = _offline(dsbd_tiny_llm, STOP_PROMPT, temperature=0.0, max_tokens=16)[0]
+    assert len(free) >= 6
+    stop = free[3:5]  # two characters greedy decoding writes mid-text
     for _ in range(2):  # the second request proves the engine survived the first
-        r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0.0, stop=[stop],
-                                      extra_body={"vllm_xargs": {"decoder": "mjsd", "beam_width": 4}})
-        assert r.choices[0].text == _offline(dsbd_tiny_llm, temperature=0.0, max_tokens=16, stop=[stop])[0]
+        r = client.completions.create(model="tiny", prompt=STOP_PROMPT, max_tokens=16, temperature=0.0,
+                                      stop=[stop], extra_body={"vllm_xargs": {"decoder": "mjsd", "beam_width": 4}})
+        want = _offline(dsbd_tiny_llm, STOP_PROMPT, temperature=0.0, max_tokens=16, stop=[stop])[0]
+        assert r.choices[0].text == want
         assert r.choices[0].finish_reason == "stop" and len(r.choices[0].text) < len(free)
 
 

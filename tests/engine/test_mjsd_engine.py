@@ -112,7 +112,8 @@ def test_mjsd_with_stop_strings_is_the_greedy_output_cut_at_them(dsbd_tiny_spec_
     from vllm import SamplingParams
 
     full = tiny_eos_llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
-    stops = [o.outputs[0].text[3:5] for o in full]  # two characters greedy decoding writes mid-text
+    # two characters greedy decoding writes mid-text (of the outputs long enough: EOS ends some early)
+    stops = [o.outputs[0].text[3:5] for o in full if len(o.outputs[0].text) >= 6]
     for include in (False, True):
         rules = dict(temperature=0.0, max_tokens=16, stop=stops, include_stop_str_in_output=include)
         want = tiny_eos_llm.generate(PROMPTS, SamplingParams(**rules), use_tqdm=False)
@@ -121,7 +122,7 @@ def test_mjsd_with_stop_strings_is_the_greedy_output_cut_at_them(dsbd_tiny_spec_
         fields = ("text", "token_ids", "finish_reason", "stop_reason")
         for g, w in zip(got, want):
             assert [getattr(g.outputs[0], f) for f in fields] == [getattr(w.outputs[0], f) for f in fields]
-        assert sum(w.outputs[0].stop_reason in stops for w in want) >= 2  # the stop strings were hit
+        assert sum(w.outputs[0].stop_reason in stops for w in want) >= len(stops) >= 1  # the stops were hit
     assert _greedy(dsbd_tiny_spec_llm, PROMPTS[:1], 4) == _greedy(tiny_eos_llm, PROMPTS[:1], 4)
 
 
