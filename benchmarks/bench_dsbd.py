@@ -44,7 +44,7 @@ from pathlib import Path
 from benchmarks.machine import machine_facts
 from benchmarks.run import load_prompts
 from benchmarks.scripts import add_prompt_args, write_result
-from vllm_dsbd import models
+from vllm_dsbd import pairs
 
 COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
             "accepted_tokens": "vllm:spec_decode_num_accepted_tokens", "beam_layers": "vllm:dsbd_beam_layers",
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from vllm_dsbd.demo import dsbd_engine_kwargs
 
-    pair = models.pair_paths(args.pair) if not (args.target and args.draft) else None
+    pair = pairs.pair_paths(args.pair) if not (args.target and args.draft) else None
     target = args.target or str(pair.target)
     draft = args.draft or str(pair.draft)
     gammas = [int(g) for g in args.gammas.split(",")]

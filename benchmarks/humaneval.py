@@ -51,7 +51,7 @@ from benchmarks import harness
 from benchmarks.machine import machine_facts
 from benchmarks.methods import Settings
 from benchmarks.run import BenchConfig, run_methods
-from vllm_dsbd import models
+from vllm_dsbd import pairs
 
 METHODS = (
     "vllm-greedy", "vllm-draft-model", "vllm-sampling", "dsbd-engine-beam-search", "dsbd-engine-beam-sampling",
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from transformers import AutoTokenizer
 
-    pair = models.pair_paths(args.pair)
+    pair = pairs.pair_paths(args.pair)
     target, draft = args.target or str(pair.target), args.draft or str(pair.draft)
     tokenizer = AutoTokenizer.from_pretrained(target)
     problems = select(read_problems(), args.problems)

@@ -24,7 +24,7 @@ from pathlib import Path
 from benchmarks import harness, report, scoring
 from benchmarks.machine import machine_facts
 from benchmarks.methods import BACKENDS, METHODS, Settings, skip_reason
-from vllm_dsbd import models
+from vllm_dsbd import models, pairs
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline=args.baseline,
     )
     if args.pair:
-        pair = models.pair_paths(args.pair)
+        pair = pairs.pair_paths(args.pair)
         target, draft = args.target or str(pair.target), args.draft or pair.draft
     else:
         target, draft = args.target or str(models.default_target_path()), args.draft or models.default_draft_path()

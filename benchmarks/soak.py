@@ -37,7 +37,7 @@ from pathlib import Path
 
 from benchmarks.harness import percentile, process_tree_rss
 from benchmarks.machine import machine_facts
-from vllm_dsbd import models
+from vllm_dsbd import pairs
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "Write a haiku about rain.",
            "List three prime numbers:", "Explain what a beam search is in one sentence."]
@@ -156,7 +156,7 @@ async def _soak(url: str, args, proc: subprocess.Popen) -> tuple[list[dict], lis
 
 
 def run(args: argparse.Namespace) -> dict:
-    pair = models.pair_paths(args.pair)
+    pair = pairs.pair_paths(args.pair)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port = _free_port()

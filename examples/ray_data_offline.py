@@ -68,10 +68,10 @@ def decode(rows: list[dict[str, Any]], engine_kwargs: dict[str, Any], num_engine
 def main() -> None:
     import ray
 
-    from vllm_dsbd import models
+    from vllm_dsbd import pairs
     from vllm_dsbd.demo import dsbd_engine_kwargs
 
-    pair = models.prepare()
+    pair = pairs.prepare()
     engine_kwargs = dsbd_engine_kwargs(str(pair.target), str(pair.draft), num_speculative_tokens=2)
     prompts = ["The three primary colours are", "A haiku about the sea:", "def fibonacci(n):",
                "The capital of Japan is"]

@@ -18,7 +18,7 @@ import pytest
 from engine_pool import MODULE_ORDER, EnginePool  # tests/engine_pool.py
 from suite_budget import MemorySampler  # tests/suite_budget.py
 
-from vllm_dsbd import TRACE_REGISTER_ENV, models
+from vllm_dsbd import TRACE_REGISTER_ENV, models, pairs
 
 # Set before any engine starts: vLLM's spawned processes inherit it, and every
 # process in which the plugin registers appends a line to this file.
@@ -213,7 +213,7 @@ def dsbd_spec_target_llm(engine_pool, target_path):
     from vllm import LLM
 
     return engine_pool.get("dsbd_spec_target_llm", lambda: LLM(**dsbd_spec_engine_kwargs(
-        str(target_path), str(models.prepare().draft), 5)))
+        str(target_path), str(pairs.prepare().draft), 5)))
 
 
 # The Ray cluster's memory resource: what actors that declare ``memory=`` may reserve in all.

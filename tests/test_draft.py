@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from vllm_dsbd import models
+from vllm_dsbd import models, pairs
 from vllm_dsbd.draft import DEFAULT_DIR, distill, prompts, student, teacher, train
 
 MAX_SHIPPED_BYTES = 30 * 1000 * 1000
@@ -128,7 +128,7 @@ def test_training_resumes_to_the_same_weights(tmp_path, tiny_pair):
 @pytest.fixture(scope="module")
 def draft_path(target_path):
     """The default draft assembled from the shipped weights and the target (`models prepare`)."""
-    return models.prepare().draft
+    return pairs.prepare().draft
 
 
 @pytest.mark.model

@@ -82,7 +82,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_imports_inside_functions():
     graph = import_graph()
-    assert "vllm_dsbd.draft" in graph["vllm_dsbd.models"]  # models.prepare imports the draft in a function
+    # models.prepare_default_pair imports the draft in a function
+    assert "vllm_dsbd.draft" in graph["vllm_dsbd.models"]
     assert "vllm_dsbd.model_cache" in graph["vllm_dsbd.draft"]
 
 
@@ -91,13 +92,12 @@ def test_cycle_finder_finds_a_planted_cycle():
     assert cycles(planted) == [["a", "b", "c"]]
 
 
-#: The one cycle left: ``models.prepare`` / ``models.pair_paths`` dispatch to ``pairs``, whose registry
-#: holds the default pair that ``models`` builds. Breaking it means moving ``prepare`` / ``pair_paths`` (the
-#: public entry points, ~26 call sites) into ``pairs``; not done yet. Any other cycle fails the test.
-KNOWN_CYCLES = [["vllm_dsbd.models", "vllm_dsbd.pairs"]]
+#: None left: ``prepare`` / ``pair_paths`` by pair name live in ``pairs`` only (``models`` used to dispatch
+#: to them, while ``pairs``' registry holds the default pair that ``models`` builds).
+KNOWN_CYCLES: list[list[str]] = []
 
 
-def test_no_import_cycles_but_the_known_one():
+def test_no_import_cycles():
     found = cycles(import_graph())
     assert found == KNOWN_CYCLES, f"import cycles: {found}"
 

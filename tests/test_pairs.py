@@ -179,7 +179,7 @@ def test_qwen_extra_pins_every_chunk_package():
 
 
 def test_unknown_pair_is_refused_naming_the_known_ones(tmp_path):
-    for call in (lambda: models.prepare(tmp_path, pair="llama"), lambda: models.pair_paths("llama", tmp_path)):
+    for call in (lambda: pairs.prepare(tmp_path, pair="llama"), lambda: pairs.pair_paths("llama", tmp_path)):
         with pytest.raises(ValueError, match=r"unknown model pair 'llama'; known pairs: default, qwen2\.5-coder"):
             call()
 
@@ -190,7 +190,7 @@ def test_unknown_pair_is_refused_naming_the_known_ones(tmp_path):
 ])
 def test_unprepared_pair_names_the_prepare_command(tmp_path, pair, command):
     with pytest.raises(models.ModelUnavailableError) as e:
-        models.pair_paths(pair, tmp_path)
+        pairs.pair_paths(pair, tmp_path)
     assert str(e.value).endswith(command)
 
 
@@ -199,7 +199,7 @@ def test_pair_paths_of_a_prepared_pair(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text("{}")
         models.write_manifest(tmp_path / name, {})
-    got = models.pair_paths("qwen2.5-coder", tmp_path)
+    got = pairs.pair_paths("qwen2.5-coder", tmp_path)
     assert got == models.PreparedModels(tmp_path / "qwen2.5-coder-1.5b-instruct", tmp_path / "qwen2.5-coder-0.5b-instruct")
 
 

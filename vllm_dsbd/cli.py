@@ -10,7 +10,7 @@ from vllm_dsbd import models, pairs
 
 def _cmd_models_prepare(args: argparse.Namespace) -> int:
     try:
-        pair = models.prepare(args.cache_dir, args.pair)
+        pair = pairs.prepare(args.cache_dir, args.pair)
     except models.ModelUnavailableError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

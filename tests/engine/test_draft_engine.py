@@ -58,10 +58,10 @@ def test_teacher_rows_are_the_targets_own_samples_and_log_probs(target_llm, hf_t
 
 def test_draft_agreement_stays_above_floor_on_three_prompts(target_llm, hf_target):
     """Regression guard: alpha (T=1) and greedy agreement of the shipped draft on 3 fixed held-out prompts."""
-    from vllm_dsbd import models
+    from vllm_dsbd import pairs
     from vllm_dsbd.draft import evaluate, prompts
 
-    draft = evaluate.load(models.prepare().draft)
+    draft = evaluate.load(pairs.prepare().draft)
     seqs = evaluate.target_answers(target_llm, target_llm.get_tokenizer(), list(prompts.TEST_PROMPTS),
                                    max_new_tokens=48, seed=0)
     result = evaluate.agreement(hf_target, draft, seqs)
@@ -73,10 +73,10 @@ def test_default_draft_is_greedy_exact_under_vllm_draft_model(target_llm):
     """vLLM speculative decoding with the default draft returns the target's own greedy tokens."""
     from vllm import LLM, SamplingParams
 
-    from vllm_dsbd import models
+    from vllm_dsbd import pairs
     from vllm_dsbd.demo import engine_kwargs
 
-    pair = models.prepare()
+    pair = pairs.prepare()
     prompts = [PROMPTS[0]] + [_chat(target_llm, p) for p in PROMPTS[1:]]
     params = SamplingParams(temperature=0.0, max_tokens=24)
     plain = [o.outputs[0].token_ids for o in target_llm.generate(prompts, params)]

@@ -21,7 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
 from beam_checks import beam_search, engine_metric  # noqa: E402  (tests/engine/beam_checks.py)
 
-from vllm_dsbd import models  # noqa: E402
+from vllm_dsbd import models, pairs  # noqa: E402
 
 pytestmark = pytest.mark.qwen
 
@@ -36,7 +36,7 @@ WIDTH, MAX_TOKENS, CODE_TOKENS = 4, 10, 64
 
 @pytest.fixture(scope="module")
 def pair() -> models.PreparedModels:
-    return models.pair_paths(PAIR)  # a clear error naming the prepare command if not prepared
+    return pairs.pair_paths(PAIR)  # a clear error naming the prepare command if not prepared
 
 
 @contextmanager

@@ -188,6 +188,13 @@ def finishing_tokens(tokens: Tensor, eos_token_id: int | None, ignore_eos: Tenso
     return finishes, ends
 
 
+def token_finishes(token: int, eos_token_id: int | None, ignore_eos: bool,
+                   stop_token_ids: Sequence[int] = ()) -> bool:
+    """One token's *finishes* of :func:`finishing_tokens`: EOS (unless ``ignore_eos``) or a stop token.
+    Stop strings are the runner's (``engine.stops``): they depend on the text, not on the token alone."""
+    return (token == eos_token_id and not ignore_eos) or token in stop_token_ids
+
+
 def beam_search_step(
     logprobs: Tensor,
     beam_scores: Tensor,

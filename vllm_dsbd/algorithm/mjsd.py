@@ -38,6 +38,7 @@ greedily pass and the output is the target's greedy output.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -51,6 +52,7 @@ from vllm_dsbd.algorithm.joint import (
     joint_probs,
     restrict_joint,
     tempered_logprobs,
+    token_finishes,
 )
 
 LogitsFn = Callable[[list[list[int]]], Tensor]
@@ -76,6 +78,11 @@ def token_logprobs(logits: Tensor, temperature: float, top_k: int = 0, top_p: fl
     rows = logits.shape[0]
     return restrict_joint(tempered_logprobs(logits, temperature),
                           torch.full((rows,), top_k), torch.full((rows,), top_p))
+
+
+def log_tau(tau: float) -> float:
+    """log τ in float64 (``-inf`` for τ = 0: every prefix passes), as engine and reference compare it."""
+    return float("-inf") if tau == 0 else math.log(tau)
 
 
 def accepted_length(target_lp: Tensor, draft_lp: Tensor, num_tokens: Tensor, log_tau: Tensor) -> Tensor:
@@ -175,7 +182,7 @@ def mjsd_decode(target_fn: LogitsFn, draft_fn: LogitsFn, prompts: Sequence[Seque
     ``rng``: a generator per draw, as the engine seeds them)."""
     if params.temperature > 0 and generator is None and rng is None:
         raise ValueError("sampling (temperature > 0) needs a torch.Generator or rng")
-    log_tau = torch.tensor([float("-inf") if params.tau == 0 else torch.tensor(params.tau).log().item()])
+    threshold = torch.tensor([log_tau(params.tau)], dtype=torch.float64)
     result = MJSDResult([])
     for index, prompt in enumerate(prompts):
         gen = generator if generator is None or isinstance(generator, torch.Generator) else generator[index]
@@ -199,7 +206,7 @@ def mjsd_decode(target_fn: LogitsFn, draft_fn: LogitsFn, prompts: Sequence[Seque
                 d_lp = token_logprobs(draft_fn(rows[:-1]), params.temperature, params.top_k, params.top_p,
                                       one_hot_at_zero=False)
                 l = int(accepted_length(t_lp.gather(1, ids).T, d_lp.gather(1, ids).T,
-                                        torch.tensor([len(path)]), log_tau)[0])
+                                        torch.tensor([len(path)]), threshold)[0])
             kept = path[:l]
             finished_at = next((i for i, t in enumerate(kept) if _finishes(t, params)), None)
             if finished_at is not None:
@@ -215,7 +222,7 @@ def mjsd_decode(target_fn: LogitsFn, draft_fn: LogitsFn, prompts: Sequence[Seque
 
 
 def _finishes(token: int, params: MJSDParams) -> bool:
-    return token == params.eos_token_id and not params.ignore_eos
+    return token_finishes(token, params.eos_token_id, params.ignore_eos)
 
 
 def _bonus(logits: Tensor, params: MJSDParams, generator: torch.Generator | None) -> int:

@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     from vllm_dsbd.draft import DEFAULT_DIR, distill, student
 
     target_dir = Path(args.target) if args.target else models.prepare_target(args.cache_dir)
-    draft_dir = Path(args.draft) if args.draft else models.prepare(args.cache_dir).draft
+    draft_dir = Path(args.draft) if args.draft else models.prepare_default_pair(args.cache_dir).draft
     out = Path(args.out) if args.out else (Path(args.draft) if args.draft else DEFAULT_DIR) / "eval.json"
     if (draft_dir / student.CONFIG).exists():  # shippable weights only: assemble with the target
         draft_dir = models.cache_root(args.cache_dir) / "eval-drafts" / draft_dir.resolve().name

@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_dsbd.algorithm import token_finishes
 from vllm_dsbd.engine.protocol import (
     DraftDecision,
     DraftStep,
@@ -47,6 +48,8 @@ from vllm_dsbd.engine.protocol import (
     TokenLogprob,
     VerifyDecision,
     VerifyStep,
+    layer_slot,
+    node_id,
 )
 from vllm_dsbd.engine.stops import tail_length
 
@@ -220,7 +223,8 @@ class BeamGroup:
         return len(self.layers) < self.num_draft_layers
 
     def _finishes(self, token: int) -> bool:
-        return token == self.params.finishing_token or token in self.params.stop_token_ids
+        p = self.params
+        return token_finishes(token, p.eos_token_id, p.ignore_eos, p.stop_token_ids)
 
     def draft_parents(self) -> list[tuple[int, Any, float]]:
         """(slot, request, path score) of the nodes the next draft layer grows from."""
@@ -324,14 +328,13 @@ class BeamGroup:
         for i, nodes in enumerate(self.layers):
             for j, n in enumerate(nodes):
                 if (i == len(self.layers) - 1 or self._finishes(n.token)) and n.score > best_score:
-                    best, best_score = width + i * width + j, n.score
+                    best, best_score = node_id(i + 1, j, width), n.score
         path = []
         node = best
         while node >= width:
             path.append(node)
-            layer, slot = divmod(node - width, width)
-            parent = self.layers[layer][slot].parent
-            node = parent if layer == 0 else width + (layer - 1) * width + parent
+            layer, slot = layer_slot(node, width)
+            node = node_id(layer - 1, self.layers[layer - 1][slot].parent, width)
         return (node, *reversed(path))
 
     def verify_plan(self) -> VerifyStep:
@@ -357,10 +360,10 @@ class BeamGroup:
         width = self.params.beam_width
         tokens = []
         while node >= width:
-            layer, slot = divmod(node - width, width)
-            tokens.append(self.layers[layer][slot].token)
-            node = self.layers[layer][slot].parent if layer == 0 else width + (layer - 1) * width + \
-                self.layers[layer][slot].parent
+            layer, slot = layer_slot(node, width)
+            n = self.layers[layer - 1][slot]
+            tokens.append(n.token)
+            node = node_id(layer - 1, n.parent, width)
         return node, tokens[::-1]
 
     def path_of_node(self, node: int) -> int:

@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 
 from vllm_dsbd.algorithm import sample_joint
-from vllm_dsbd.algorithm.mjsd import accepted_length, token_logprobs
-from vllm_dsbd.engine.protocol import DraftStep, VerifyChoice, VerifyDecision, VerifyStep
-from vllm_dsbd.engine.spec_step import VERIFY_SALT, generator, layer_slot, node_completes, token_logprob
+from vllm_dsbd.algorithm.mjsd import accepted_length, log_tau, token_logprobs
+from vllm_dsbd.engine.protocol import DraftStep, VerifyChoice, VerifyDecision, VerifyStep, layer_slot
+from vllm_dsbd.engine.spec_step import VERIFY_SALT, generator, node_completes, node_token_finishes, token_logprob
 from vllm_dsbd.engine.stops import StopCheckers
 
 
@@ -55,15 +55,14 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_logprobs: Tensor
                       for (layer, slot), t in zip(slots, tokens)], dtype=torch.float64)
     target = token_logprobs(logits, vs.temperature, vs.top_k, vs.top_p)  # [len(path), V]
     p = target[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].double()
-    log_tau = float("-inf") if vs.mjsd_tau == 0 else float(torch.tensor(vs.mjsd_tau, dtype=torch.float64).log())
-    accepted = int(accepted_length(p[None], q[None], torch.tensor([len(tokens)]), torch.tensor([log_tau]))[0])
+    threshold = torch.tensor([log_tau(vs.mjsd_tau)], dtype=torch.float64)
+    accepted = int(accepted_length(p[None], q[None], torch.tensor([len(tokens)]), threshold)[0])
 
     raw = torch.log_softmax(logits, dim=-1)
-    completes = node_completes(vs, stops)
+    finishes = node_token_finishes(vs, node_completes(vs, stops))
 
     def ends(depth: int, token: int) -> bool:  # the token after the path's node at `depth` finishes
-        return ((token == vs.eos_token_id and not vs.ignore_eos) or token in vs.stop_token_ids
-                or (completes is not None and completes(*layer_slot(path[depth], width), token)))
+        return finishes(path[depth], token)
 
     def choice(depth: int, token: int) -> VerifyChoice:
         chain = [*zip(range(depth), tokens[:depth]), (depth, token)]

@@ -41,7 +41,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.engine import beam_step, draft_head, mjsd_step, spec_step
-from vllm_dsbd.engine.protocol import PLAN_ATTR, RESULT_ATTR, StepPlan, StepResult
+from vllm_dsbd.engine.protocol import PLAN_ATTR, RESULT_ATTR, StepPlan, StepResult, layer_slot
 from vllm_dsbd.engine.stops import StopCheckers
 
 
@@ -287,7 +287,8 @@ def _path_row_tokens(vs, decision) -> list[list[int] | None]:
         path = next(k for k, nodes in enumerate(vs.paths) if parent in nodes)
         if out[path] is None:
             depth = vs.paths[path].index(parent)
-            tokens = [vs.draft_tokens[(n - width) // width][(n - width) % width] for n in vs.paths[path][1:depth + 1]]
+            slots = [layer_slot(n, width) for n in vs.paths[path][1:depth + 1]]
+            tokens = [vs.draft_tokens[layer - 1][slot] for layer, slot in slots]
             out[path] = tokens + [c.token]
     return out
 

@@ -21,6 +21,19 @@ PLAN_ATTR = "dsbd_plan"
 RESULT_ATTR = "dsbd_result"
 
 
+def node_id(layer: int, slot: int, width: int) -> int:
+    """A forest node's id: the roots (layer 0) are 0..W-1, draft layer ``l`` >= 1 holds W*l..W*l+W-1."""
+    return slot if layer == 0 else width + (layer - 1) * width + slot
+
+
+def layer_slot(node: int, width: int) -> tuple[int, int]:
+    """(layer, slot) of a node id (layer 0: the roots); the inverse of :func:`node_id`."""
+    if node < width:
+        return 0, node
+    layer, slot = divmod(node - width, width)
+    return layer + 1, slot
+
+
 @dataclass(frozen=True)
 class GroupDecoding:
     """How a group decodes: what every step of a group (beam, draft, verify) carries."""

@@ -32,10 +32,12 @@ from vllm_dsbd.algorithm import (
     joint_probs,
     sample_joint,
     tempered_logprobs,
+    token_finishes,
     verify_forest,
     verify_forest_greedy,
 )
-from vllm_dsbd.engine.protocol import DraftDecision, DraftStep, TokenLogprob, VerifyChoice, VerifyDecision, VerifyStep
+from vllm_dsbd.engine.protocol import (
+    DraftDecision, DraftStep, TokenLogprob, VerifyChoice, VerifyDecision, VerifyStep, layer_slot, node_id)
 from vllm_dsbd.engine.stops import StopCheckers
 
 VERIFY_SALT = 1_000
@@ -133,10 +135,6 @@ def shared_node_rows(verify_steps: Sequence[VerifyStep], row_start: Mapping[str,
     return source if shared else None
 
 
-def node_id(layer: int, slot: int, width: int) -> int:
-    return slot if layer == 0 else width + (layer - 1) * width + slot
-
-
 def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor | None,
            stops: StopCheckers | None = None) -> VerifyDecision:
     """Verify one group's forest.
@@ -165,11 +163,7 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
     root_valid = torch.tensor([vs.root_valid])
     ignore_eos = torch.tensor([vs.ignore_eos])
     completes = node_completes(vs, stops)
-
-    def ends(parent_node: int, token: int) -> bool:
-        return ((token == vs.eos_token_id and not vs.ignore_eos) or token in vs.stop_token_ids
-                or (completes is not None and completes(*layer_slot(parent_node, width), token)))
-
+    ends = node_token_finishes(vs, completes)
     node_finishes = _node_finishes(completes)
 
     def choice(parent_node: int, token: int, score: float) -> VerifyChoice:
@@ -229,14 +223,6 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
     return VerifyDecision(vs.group_id, passed, beams, finished, proposed[:verified], accepted, widths)
 
 
-def layer_slot(node: int, width: int) -> tuple[int, int]:
-    """(layer, slot) of a node id (layer 0: the roots)."""
-    if node < width:
-        return 0, node
-    layer, slot = divmod(node - width, width)
-    return layer + 1, slot
-
-
 def _node_finishes(completes):
     """``completes`` as the ``verify.NodeFinishes`` of one group (None stays None)."""
     if completes is None:
@@ -271,15 +257,25 @@ def node_completes(vs: VerifyStep, stops: StopCheckers | None):
     return completes
 
 
+def node_token_finishes(vs: VerifyStep, completes):
+    """``(parent node id, token) -> bool``: the token finishes the sequence after that forest node (EOS
+    unless ignore_eos, a stop token, or a stop string it completes; ``completes``: :func:`node_completes`)."""
+    def finishes(parent_node: int, token: int) -> bool:
+        return (token_finishes(token, vs.eos_token_id, vs.ignore_eos, vs.stop_token_ids)
+                or (completes is not None and completes(*layer_slot(parent_node, vs.beam_width), token)))
+
+    return finishes
+
+
 def _path_logprobs(raw: Tensor, parent_node: int, token: int, vs: VerifyStep, width: int,
                    num_logprobs: int) -> tuple[TokenLogprob, ...]:
     """Raw target log-probs of the tokens from the root to ``parent_node``, then of ``token``."""
     chain = [(parent_node, token)]
     node = parent_node
     while node >= width:  # walk up to the root
-        layer, slot = divmod(node - width, width)
-        parent = node_id(layer, vs.draft_parents[layer][slot], width)
-        chain.append((parent, vs.draft_tokens[layer][slot]))
+        layer, slot = layer_slot(node, width)
+        parent = node_id(layer - 1, vs.draft_parents[layer - 1][slot], width)
+        chain.append((parent, vs.draft_tokens[layer - 1][slot]))
         node = parent
     return tuple(token_logprob(raw[node], tok, num_logprobs) for node, tok in reversed(chain))
 
