@@ -20,7 +20,7 @@ def registered():
 def test_upstream_source_under_each_patch_is_unchanged(qualname):
     fn = patches.upstream_function(qualname)
     assert patches.source_sha256(fn) == patches.UPSTREAM_SHA256[qualname], (
-        f"vLLM changed {qualname}: re-check the patch in vllm_dsbd/engine/patches.py"
+        f"vLLM changed {qualname}: re-check the patch in vllm_dsbd/engine/patches/"
     )
 
 

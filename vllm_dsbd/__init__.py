@@ -4,7 +4,7 @@ vLLM discovers this package through the ``vllm.general_plugins`` entry point
 (``dsbd = vllm_dsbd:register``) and calls :func:`register` once in every
 process it starts: the front-end process, the engine core (scheduler) and each
 worker (model runner). It refuses an untested vLLM and applies the patches in
-``vllm_dsbd/engine/patches.py`` (the ``dsbd`` speculative method).
+``vllm_dsbd/engine/patches/`` (the ``dsbd`` speculative method).
 """
 
 from __future__ import annotations

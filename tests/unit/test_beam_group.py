@@ -188,7 +188,7 @@ def test_a_draft_layer_whose_nodes_all_finish_ends_the_forest():
 def test_mjsd_and_dsbd_groups_never_share_depth_statistics():
     """auto_depth's acceptance statistics are keyed by decoding kind: an MJSD group (mjsd_tau set) that
     otherwise decodes like a DSBD group gets another key, two DSBD groups alike share one."""
-    from vllm_dsbd.engine.scheduler import _depth_key
+    from vllm_dsbd.engine.group_commit import _depth_key
 
     def group(**kw):
         return BeamGroup("g", ["u0"], prompt_len=4, params=params(n=1, num_speculative_tokens=2, **kw),

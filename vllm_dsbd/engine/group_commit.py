@@ -1,0 +1,223 @@
+"""The runner's decisions carried out (a part of :class:`~vllm_dsbd.engine.scheduler.DSBDScheduler`).
+
+``update_from_output`` hands each group the runner's decision for its step
+(beam step, draft layer, verification); the group returns its effects (forks,
+frees, extensions, path requests), which are carried out here in order. A DSBD
+iteration starts (its depth chosen by ``auto_depth``) after each verification;
+a finished group's best ``n`` hypotheses go out under the user request ids,
+with DSBD's counters in vLLM's spec-decode stats.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from vllm.v1.core.sched.utils import remove_all
+from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.outputs import LogprobsLists
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_dsbd.engine import metrics
+from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams, Extend, Fork, Free, Hypothesis, PathRequest, StepEffects
+from vllm_dsbd.engine.protocol import StepPlan
+
+
+class CommitMixin:
+    """Decisions applied to groups and their effects carried out; mixed into ``DSBDScheduler``."""
+
+    def _commit_steps(self, plan: StepPlan, result, group_outputs: dict[int, list[EngineCoreOutput]]) -> None:
+        freed: set[Request] = set()
+        if plan.draft:
+            self._commit_draft_step(plan, result, freed)
+        else:
+            for rid in plan.discard_req_ids:
+                self._rewind(rid)
+            for gid in plan.started_group_ids:
+                if gid in self.groups:
+                    self._start_iteration(self.groups[gid], freed)
+            for step in plan.groups:
+                group = self.groups.get(step.group_id)
+                if group is not None:  # else aborted while the step ran
+                    self._carry_out(group, group.apply(_decision(result, "decisions", step.group_id)),
+                                    freed, group_outputs)
+            for step in plan.verify_steps:
+                group = self.groups.get(step.group_id)
+                if group is not None:
+                    for pr in group.path_requests:  # the target computed every path up to its root's end
+                        pr.request.num_computed_tokens = pr.request.num_tokens
+                    decision = _decision(result, "verify_decisions", step.group_id)
+                    self._observe(decision, len(step.draft_parents))
+                    self._depth.observe_iteration(_depth_key(group), group.group_id, len(step.draft_parents),
+                                                  decision.num_passed)
+                    effects = group.apply_verify(decision)
+                    self._carry_out(group, effects, freed, group_outputs)
+                    if group.group_id in self.groups:
+                        for b in group.beams:
+                            b.request.dsbd_target = b.request.num_computed_tokens
+                        self._start_iteration(group, freed, rewind=False)
+        if freed:
+            self.running = remove_all(self.running, freed)
+
+    def _observe(self, decision, num_draft_layers: int) -> None:
+        """DSBD in vLLM's spec-decode counters: a draft = one iteration (one target forward of the
+        group's forest), draft tokens = draft nodes proposed, accepted tokens = draft nodes accepted,
+        per position i = nodes accepted at depth i + 1; plus the beam layers produced, their widths and
+        the draft layers built (γ of the iteration; vllm_dsbd.engine.metrics)."""
+        if self._spec_stats is None:
+            self._spec_stats = metrics.new_stats(self._num_draft_layers)
+        stats = self._spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += sum(decision.num_proposed)
+        stats.num_accepted_tokens += sum(decision.num_accepted)
+        for depth, (proposed, accepted) in enumerate(zip(decision.num_proposed, decision.num_accepted)):
+            stats.num_draft_tokens_per_pos[depth] += proposed
+            stats.num_accepted_tokens_per_pos[depth] += accepted
+        metrics.observe_layers(stats, decision.widths, num_draft_layers)
+
+    def _commit_draft_step(self, plan: StepPlan, result, freed: set[Request]) -> None:
+        discard = set(plan.discard_req_ids)
+        participants, self._draft_participants = self._draft_participants, []
+        for r in participants:  # the draft's frontier moved (all the way, unless its group waits)
+            if not r.is_finished():
+                r.dsbd_draft = r.num_computed_tokens - (1 if r.request_id in discard else 0)
+                r.num_computed_tokens = r.dsbd_draft
+        for step in plan.draft_steps:
+            group = self.groups.get(step.group_id)
+            if group is not None:
+                self._carry_out(group, group.apply_draft(_decision(result, "draft_decisions", step.group_id)),
+                                freed, {})
+        for r in participants:  # beams wait at the target's frontier
+            if not r.is_finished() and getattr(r, "dsbd_target", None) is not None:
+                r.num_computed_tokens = r.dsbd_target
+
+    def _start_iteration(self, group: BeamGroup, freed: set[Request], rewind: bool = True) -> None:
+        """The beams' KV is complete up to their last token (``rewind``: up to the end; the last token
+        is recomputed with the forest): the next DSBD iteration starts."""
+        for b in group.beams:
+            r = b.request
+            if rewind:
+                r.num_computed_tokens = r.num_tokens - 1
+                r.dsbd_target, r.dsbd_draft = r.num_computed_tokens, 0
+            r.dsbd_draft = min(getattr(r, "dsbd_draft", None) or 0, r.dsbd_target)
+        depth = None
+        if group.params.auto_depth:
+            draft_lag = sum(b.request.num_tokens - b.request.dsbd_draft for b in group.beams)
+            depth = self._depth.choose(_depth_key(group), group.group_id, group.max_draft_layers,
+                                       len(group.beams), draft_lag)
+        self._carry_out(group, group.start_iteration(depth), freed, {})
+
+    def _start_without_prefill(self, group: BeamGroup) -> None:
+        """auto_depth: a group whose first iteration gets depth 0 starts it at once, so the target step
+        that computes its prompt also takes its first beam step (else a prefill step computes the prompt
+        and samples nothing, and the first iteration recomputes its last token with the forest)."""
+        root = group.beams[0].request
+        if self._depth.choose(_depth_key(group), group.group_id, group.max_draft_layers, 1, root.num_tokens,
+                              probe=False):
+            return
+        root.dsbd_target = root.dsbd_draft = 0
+        self._carry_out(group, group.start_iteration(0), set(), {})
+
+    def _carry_out(self, group: BeamGroup, effects: StepEffects, freed: set[Request],
+                   group_outputs: dict[int, list[EngineCoreOutput]]) -> None:
+        """The scheduler's part of a group's step, in order (see ``beam_group``)."""
+        if group.done:  # its new beams never run: no forks
+            freed.update(self._release_beam(op.request) for op in effects.ops if isinstance(op, Free))
+            freed.update(self._finish_group(group, group_outputs))
+            return
+        for op in effects.ops:
+            if isinstance(op, Free):
+                freed.add(self._release_beam(op.request))
+            elif isinstance(op, Fork):
+                op.child.request = self._fork(group, op.parent, op.token)
+            elif isinstance(op, Extend):
+                op.request.append_output_token_ids(op.tokens)
+                if op.computed:
+                    op.request.num_computed_tokens = op.request.num_tokens
+            elif isinstance(op, PathRequest):
+                root = op.root
+                if op.reuse_root:
+                    op.request = root
+                else:  # the target's KV of the root, up to its last token, which the path recomputes
+                    op.request = self._fork(group, root, None, num_shared=root.dsbd_target)
+                op.request.spec_token_ids = list(op.spec_tokens)
+
+    def _finish_group(self, group: BeamGroup, outputs: dict[int, list[EngineCoreOutput]]) -> list[Request]:
+        """Emit the best ``n`` hypotheses under the user request ids and free everything.
+
+        A group that ends with fewer than ``n`` hypotheses (possible with a dynamic
+        width) finishes its surplus user requests empty, as aborted.
+        """
+        results = group.results()
+        for k, uid in enumerate(group.user_request_ids):
+            user = self.requests.get(uid)
+            if user is None:
+                continue
+            hyp = results[k] if k < len(results) else None
+            if hyp is None:
+                user.status = RequestStatus.FINISHED_ABORTED
+            else:
+                # A stop string is found again by the front-end's detokenizer, which truncates the text and
+                # reports "stop" with the string (engine.stops); it must see every token, so not "stop" here.
+                user.status = (RequestStatus.FINISHED_STOPPED if hyp.finish_reason == "stop"
+                               else RequestStatus.FINISHED_LENGTH_CAPPED)
+            eco = EngineCoreOutput(
+                request_id=uid,
+                new_token_ids=[] if hyp is None else list(hyp.tokens),
+                finish_reason=user.get_finished_reason(),
+                stop_reason=_stop_reason(hyp, group.params),
+                new_logprobs=None if hyp is None else _logprobs_lists(hyp, user.sampling_params.logprobs),
+                events=user.take_events(),
+                trace_headers=user.trace_headers,
+            )
+            outputs.setdefault(user.client_index, []).append(eco)
+            self._free_request(user)
+            self._user_group.pop(uid, None)
+        return self._drop_group(group)
+
+    def _drop_group(self, group: BeamGroup) -> list[Request]:
+        requests = [b.request for b in group.beams if b.request is not None] + group.extra_requests()
+        released = [self._release_beam(r) for r in requests if r.request_id in self.requests]
+        self.groups.pop(group.group_id, None)
+        self._forgotten_groups.append(group.group_id)
+        self._depth.forget(group.group_id)
+        if group.group_id in self._admission:
+            self._admission.remove(group.group_id)
+        return released
+
+
+def _depth_key(group: BeamGroup) -> tuple:
+    """Groups that decode alike share their acceptance statistics (auto_depth); MJSD's passed prefixes
+    follow another rule than DSBD's layers, so its groups never share a DSBD group's statistics."""
+    p = group.params
+    return group.mjsd, p.temperature == 0, p.width_threshold, p.beam_width, p.memory_efficient, p.top_k, p.top_p
+
+
+def _decision(result, kind: str, group_id: str):
+    decision = None if result is None else getattr(result, kind).get(group_id)
+    if decision is None:
+        raise RuntimeError(f"the model runner returned no {kind} for beam group {group_id}")
+    return decision
+
+
+def _stop_reason(hyp: Hypothesis | None, params: BeamParams) -> int | None:
+    """The stop token a hypothesis ended with, as vLLM reports it for plain requests (None for EOS)."""
+    if hyp is None or hyp.finish_reason != "stop" or hyp.tokens[-1] == params.finishing_token:
+        return None
+    return hyp.tokens[-1] if hyp.tokens[-1] in params.stop_token_ids else None
+
+
+def _logprobs_lists(hyp: Hypothesis, num_logprobs: int | None) -> LogprobsLists | None:
+    """Per-token logprobs of a hypothesis in vLLM's layout: column 0 the token, then the top-k."""
+    if num_logprobs is None or not hyp.tokens:
+        return None
+    width = num_logprobs + 1
+    ids = np.zeros((len(hyp.tokens), width), dtype=np.int64)
+    lps = np.full((len(hyp.tokens), width), -math.inf, dtype=np.float32)
+    ranks = np.zeros(len(hyp.tokens), dtype=np.int64)
+    for i, (token, lp) in enumerate(zip(hyp.tokens, hyp.logprobs)):
+        ids[i, 0], lps[i, 0], ranks[i] = token, lp.logprob, lp.rank
+        k = min(num_logprobs, len(lp.top_ids))
+        ids[i, 1:1 + k] = lp.top_ids[:k]
+        lps[i, 1:1 + k] = lp.top_logprobs[:k]
+    return LogprobsLists(ids, lps, ranks)
