@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from beam_checks import (  # tests/engine/beam_checks.py
     PROMPTS, assert_distributed_as_beam_sampling, assert_kv_freed_after_finish_and_abort, beam_search,
-    engine_metric)
+    engine_metric, start_spec_llm)
 
 pytestmark = pytest.mark.engine
 
@@ -34,6 +34,38 @@ def test_auto_depth_is_lossless_speculative_beam_search_with_eos(dsbd_tiny_spec_
     want = beam_search(tiny_eos_llm, PROMPTS, width, 10)
     got = dsbd_tiny_spec_llm.generate(PROMPTS, _auto_request(width, 10), use_tqdm=False)
     _assert_same_as_beam_search(want, got)
+
+
+@pytest.fixture
+def inproc_spec_llm(engine_pool, tiny_eos_target, tiny_pair):
+    """The tiny pair (γ <= 3) with its engine core in this process, so a test can set its depth policy."""
+    return engine_pool.get("inproc_spec_llm", lambda: start_spec_llm(
+        tiny_eos_target, tiny_pair.draft, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
+
+
+def test_auto_depth_is_lossless_at_every_depth_it_chooses(inproc_spec_llm, tiny_eos_llm):
+    """The tests above may run on plain beam steps alone: on the tiny pair the measured costs make depth 0
+    the choice. Here the engine's depth policy is told that draft steps cost almost nothing, so it
+    speculates at full depth while its acceptance estimate is high, then falls back to depth 0 (probing now
+    and then) as the unrelated draft fails: mixed depths, still vLLM's beam search token for token."""
+    from vllm_dsbd.algorithm.depth import DepthPolicy
+
+    policy = DepthPolicy()
+    for tokens in (4, 32):  # draft steps 0.1 ms, target steps 1 s whatever their size
+        policy.draft.observe(tokens, 1e-4)
+        policy.target.observe(tokens, 1.0)
+    policy.observe_step = lambda *args: None  # keep those costs
+    chosen = []
+    choose = policy.choose
+    policy.choose = lambda *args, **kw: chosen.append(choose(*args, **kw)) or chosen[-1]
+    inproc_spec_llm.llm_engine.engine_core.engine_core.scheduler._depth = policy
+    before = engine_metric(inproc_spec_llm, "vllm:dsbd_draft_layers")
+    for width in (2, 4):
+        want = beam_search(tiny_eos_llm, PROMPTS, width, 10)
+        got = inproc_spec_llm.generate(PROMPTS, _auto_request(width, 10), use_tqdm=False)
+        _assert_same_as_beam_search(want, got)
+    assert engine_metric(inproc_spec_llm, "vllm:dsbd_draft_layers") > before  # speculation happened
+    assert 3 in chosen and 0 in chosen, chosen
 
 
 @pytest.mark.model

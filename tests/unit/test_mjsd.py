@@ -152,3 +152,62 @@ def test_the_engine_step_ends_at_an_accepted_eos_without_a_bonus():
     assert d.num_passed == 1 and not d.beams
     (c,) = d.finished
     assert (c.parent, c.token, len(c.logprobs)) == (3, 3, 2)
+
+
+def _nucleus_pair(vocab: int = 64):
+    """Logits functions of a draft whose top-p joint keeps tokens its nodes' own nuclei drop, and a uniform
+    target. The draft after token 1 (node A): 3 0.6, 4 0.3, 5 0.1; after 2 (node B): uniform over 6..63;
+    after anything else: 1 or 2, 0.5 each. At step 2 with top_p 0.5, A and B weigh 0.5 each: the joint's
+    nucleus is {A3, A4, A5} (B's tokens are each too small), while A's own nucleus is {3} alone."""
+    def dist(last: int) -> torch.Tensor:
+        p = torch.full((vocab,), 1e-12)
+        if last == 1:
+            p[3], p[4], p[5] = 0.6, 0.3, 0.1
+        elif last == 2:
+            p[6:] = 1.0 / (vocab - 6)
+        else:
+            p[1], p[2] = 0.5, 0.5
+        return (p / p.sum()).log()
+
+    def draft(rows):
+        return torch.stack([dist(row[-1]) for row in rows])
+
+    def target(rows):
+        return torch.zeros((len(rows), vocab))
+
+    return target, draft
+
+
+def test_mjsd_q_is_the_distribution_the_draft_drew_from_under_top_p():
+    """With top_p < 1 the draft draws from the joint's nucleus, which here keeps tokens 4 and 5 of node A
+    that A's own nucleus drops. Q must be that joint's row, renormalised: with a huge τ no prefix then
+    passes (every token is a target draw). Q from each node's own nucleus (the rule this replaced, planted
+    here) gives those tokens log Q = -inf, so they pass any τ."""
+    from vllm_dsbd.algorithm import mjsd
+    from vllm_dsbd.algorithm.joint import restrict_joint
+
+    target, draft = _nucleus_pair()
+    params = MJSDParams(num_beams=2, num_speculative_tokens=2, tau=1e30, temperature=1.0, top_p=0.5,
+                        max_tokens=60, ignore_eos=True)
+    prompts = [[0]] * 6
+
+    def run():
+        out = mjsd_decode(target, draft, prompts, params, generator=[torch.Generator().manual_seed(s)
+                                                                     for s in range(len(prompts))])
+        return [l for per_prompt in out.accepted for l in per_prompt]
+
+    accepted = run()
+    assert len(accepted) >= 300 and set(accepted) == {0}
+    real = mjsd.node_conditionals
+
+    def per_node_nucleus(joint, width):  # each node's own top-p nucleus of its row
+        rows = real(joint, width)
+        return restrict_joint(rows, torch.zeros(width, dtype=torch.long), torch.full((width,), params.top_p))
+
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(mjsd, "node_conditionals", per_node_nucleus)
+        planted = run()
+    finally:
+        mp.undo()
+    assert sum(l > 0 for l in planted) >= 20  # a path token outside its node's nucleus passed a huge τ

@@ -13,9 +13,12 @@ authors' public code; the issue gives it):
    tempered draft log-prob) among the last step's beams and the beams that
    finished earlier (ties: the earlier step, then the lower slot).
 2. **Verify.** One target forward over the path gives, for every prefix
-   length ``l``, ``log P(x_1..x_l) - log Q(x_1..x_l)``, the sums of
-   :func:`token_logprobs` of the target and of the draft at the path's
-   tokens. The longest ``l`` in ``1..γ`` with that difference ``>= log τ``
+   length ``l``, ``log P(x_1..x_l) - log Q(x_1..x_l)``: the sums of the
+   target's :func:`token_logprobs` at the path's tokens and of the log-probs
+   the draft drew them with: at ``T > 0`` each token's parent row of the draft
+   step's joint (top-k / top-p on the joint), renormalised
+   (:func:`node_conditionals`), so a drawn token never has ``Q = 0``; at
+   ``T = 0`` the draft's raw log-probs. The longest ``l`` in ``1..γ`` with that difference ``>= log τ``
    is accepted (the longest, not the first failure; ``l = 0`` if none).
 3. **Bonus.** One token is drawn from the target's distribution after
    ``x_1..x_l`` (at ``T = 0`` its argmax; else an inverse-CDF draw,
@@ -80,6 +83,16 @@ def token_logprobs(logits: Tensor, temperature: float, top_k: int = 0, top_p: fl
                           torch.full((rows,), top_k), torch.full((rows,), top_p))
 
 
+def node_conditionals(joint: Tensor, width: int) -> Tensor:
+    """``log q(. | node)`` of a draft step that drew its nodes from ``joint`` ([W*V] probabilities over
+    (parent slot, token), top-k / top-p applied to the joint): each parent's row of the joint,
+    renormalised. A drawn token always has a finite log q (it was in the joint's support); rows of
+    slots with no mass are ``-inf``. Returns [W, V] float32."""
+    rows = joint.reshape(width, -1).float()
+    total = rows.sum(-1, keepdim=True)
+    return (rows / torch.where(total > 0, total, torch.ones_like(total))).log()
+
+
 def log_tau(tau: float) -> float:
     """log τ in float64 (``-inf`` for τ = 0: every prefix passes), as engine and reference compare it."""
     return float("-inf") if tau == 0 else math.log(tau)
@@ -131,22 +144,24 @@ class MJSDResult:
 
 
 def draft_path(draft_fn: LogitsFn, prefix: list[int], params: MJSDParams, gamma: int,
-               rng: Callable[[int], torch.Generator | None]) -> list[int]:
-    """Step 1: ``K`` draft beams for ``gamma`` steps over ``K`` slots; the tokens of the best one.
+               rng: Callable[[int], torch.Generator | None]) -> tuple[list[int], list[float]]:
+    """Step 1: ``K`` draft beams for ``gamma`` steps over ``K`` slots; the tokens of the best one and the
+    log-probs the draft drew them with (``log Q`` per token, see step 2).
 
     ``rng(step)`` is the generator of draft step ``step`` (1-based).
     """
     width = params.num_beams
-    growing: list[tuple[int, list[int], float]] = [(0, [], 0.0)]  # (slot, tokens, score) of the parents
-    best: tuple[float, list[int]] = (float("-inf"), [])
+    # (slot, tokens, score, log q per token) of the parents
+    growing: list[tuple[int, list[int], float, list[float]]] = [(0, [], 0.0, [])]
+    best: tuple[float, list[int], list[float]] = (float("-inf"), [], [])
     for step in range(1, gamma + 1):
         if not growing:
             break
-        logits = draft_fn([prefix + tokens for _, tokens, _ in growing]).float()
+        logits = draft_fn([prefix + tokens for _, tokens, _, _ in growing]).float()
         vocab = logits.shape[-1]
-        slots = torch.tensor([slot for slot, _, _ in growing])
+        slots = torch.tensor([slot for slot, _, _, _ in growing])
         scores = torch.full((1, width), float("-inf"), dtype=torch.float64)
-        scores[0, slots] = torch.tensor([score for _, _, score in growing], dtype=torch.float64)
+        scores[0, slots] = torch.tensor([score for _, _, score, _ in growing], dtype=torch.float64)
         valid = torch.zeros((1, width), dtype=torch.bool)
         valid[0, slots] = True
         lp = torch.zeros((width, vocab))
@@ -156,6 +171,7 @@ def draft_path(draft_fn: LogitsFn, prefix: list[int], params: MJSDParams, gamma:
             draws = sample_joint(probs, width, rng(step))[0]
             parents, tokens = draws // vocab, draws % vocab
             nodes = list(zip(parents.tolist(), tokens.tolist(), (scores[0, parents] + lp[parents, tokens].double()).tolist()))
+            drawn_with = node_conditionals(probs[0], width)
         else:
             lp[slots] = torch.log_softmax(logits, dim=-1)
             res = beam_search_step(lp[None], scores, valid, torch.tensor([len(prefix) + step - 1]), width,
@@ -164,16 +180,17 @@ def draft_path(draft_fn: LogitsFn, prefix: list[int], params: MJSDParams, gamma:
             keep = res.valid[0]
             nodes = list(zip(res.parents[0][keep].tolist(), res.tokens[0][keep].tolist(),
                              res.cum_logprobs[0][keep].tolist()))
-        by_slot = {slot: tokens for slot, tokens, _ in growing}
+            drawn_with = lp
+        by_slot = {slot: (tokens, logq) for slot, tokens, _, logq in growing}
         growing = []
         for slot, (parent, token, score) in enumerate(nodes):
-            tokens = by_slot[parent] + [token]
+            tokens, logq = by_slot[parent][0] + [token], by_slot[parent][1] + [float(drawn_with[parent, token])]
             if step == gamma or _finishes(token, params):  # a candidate draft path (strictly better only)
                 if score > best[0]:
-                    best = (score, tokens)
+                    best = (score, tokens, logq)
             if step < gamma and not _finishes(token, params):
-                growing.append((slot, tokens, score))
-    return best[1]
+                growing.append((slot, tokens, score, logq))
+    return best[1], best[2]
 
 
 def mjsd_decode(target_fn: LogitsFn, draft_fn: LogitsFn, prompts: Sequence[Sequence[int]], params: MJSDParams,
@@ -196,16 +213,14 @@ def mjsd_decode(target_fn: LogitsFn, draft_fn: LogitsFn, prompts: Sequence[Seque
 
             prefix = list(prompt) + out
             gamma = min(params.num_speculative_tokens, params.max_tokens - len(out) - 1)
-            path = draft_path(draft_fn, prefix, params, gamma, draw_rng) if gamma > 0 else []
+            path, path_logq = draft_path(draft_fn, prefix, params, gamma, draw_rng) if gamma > 0 else ([], [])
             rows = [prefix + path[:j] for j in range(len(path) + 1)]
             target_logits = target_fn(rows)  # [len(path) + 1, V]
             l = 0
             if path:
                 ids = torch.tensor(path)[:, None]
                 t_lp = token_logprobs(target_logits[:-1], params.temperature, params.top_k, params.top_p)
-                d_lp = token_logprobs(draft_fn(rows[:-1]), params.temperature, params.top_k, params.top_p,
-                                      one_hot_at_zero=False)
-                l = int(accepted_length(t_lp.gather(1, ids).T, d_lp.gather(1, ids).T,
+                l = int(accepted_length(t_lp.gather(1, ids).T, torch.tensor([path_logq]),
                                         torch.tensor([len(path)]), threshold)[0])
             kept = path[:l]
             finished_at = next((i for i, t in enumerate(kept) if _finishes(t, params)), None)

@@ -4,8 +4,9 @@ An MJSD group is a beam group with one beam and ``K = beam_width`` draft
 slots. Its draft layers are DSBD's (``spec_step.draft_layer``: K draft beams
 drawn from the joint over (slot, token), or the draft's beam search at
 ``T = 0``); besides, the runner keeps each layer's per-node draft
-distribution ``log q(. | node)`` (:func:`node_logprobs`, the same
-temperature / top-k / top-p as the target's below). The scheduler's group
+distribution ``log q(. | node)``, the one each node's token was drawn from
+(:func:`node_logprobs`: at ``T > 0`` the parent's row of the joint,
+renormalised). The scheduler's group
 picks the draft beam with the highest joint draft log-prob and sets up one
 path request for it; the target's forward over that path gives, here
 (:func:`verify`), the accepted prefix (the longest with ``log P - log Q >=
@@ -22,19 +23,23 @@ import torch
 from torch import Tensor
 
 from vllm_dsbd.algorithm import sample_joint
-from vllm_dsbd.algorithm.mjsd import accepted_length, log_tau, token_logprobs
+from vllm_dsbd.algorithm.mjsd import accepted_length, log_tau, node_conditionals, token_logprobs
 from vllm_dsbd.engine.protocol import DraftStep, VerifyChoice, VerifyDecision, VerifyStep, layer_slot
 from vllm_dsbd.engine.spec_step import VERIFY_SALT, generator, node_completes, node_token_finishes, token_logprob
 from vllm_dsbd.engine.stops import StopCheckers
 
 
-def node_logprobs(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep) -> Tensor:
-    """[W*V] float32: ``log q(. | node)`` of every parent node of this draft layer, by slot (0 elsewhere)."""
+def node_logprobs(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, joint: Tensor | None) -> Tensor:
+    """[W*V] float32: ``log q(. | node)`` of every parent node of this draft layer, by slot: the
+    distribution the layer drew each node's token from. ``T > 0``: the parent's row of the layer's
+    ``joint`` (``spec_step.draft_layer``; top-k / top-p on the joint), renormalised; ``T = 0``: the
+    draft's raw log-probs (0 at slots without a parent)."""
+    if joint is not None:
+        return node_conditionals(joint.cpu(), ds.beam_width).reshape(-1)
     rows = torch.tensor([row_of[r] for r in ds.req_ids], device=logits.device)
     parent_logits = logits.index_select(0, rows).float()
     out = torch.zeros((ds.beam_width, parent_logits.shape[-1]))
-    out[torch.tensor(ds.slots)] = token_logprobs(parent_logits.cpu(), ds.temperature, ds.top_k, ds.top_p,
-                                                 one_hot_at_zero=False)
+    out[torch.tensor(ds.slots)] = torch.log_softmax(parent_logits.cpu(), dim=-1)
     return out.reshape(-1)
 
 

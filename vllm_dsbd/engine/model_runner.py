@@ -165,7 +165,7 @@ class DSBDModelRunnerMixin:
             for ds in plan.draft_steps:
                 decision, joint = spec_step.draft_layer(logits, last_row, ds)
                 if ds.mjsd:  # MJSD verifies by the draft's per-node distributions, not the joint
-                    joint = mjsd_step.node_logprobs(logits, last_row, ds)
+                    joint = mjsd_step.node_logprobs(logits, last_row, ds, joint)
                 if joint is not None:
                     self._dsbd_drafts.put(ds.group_id, ds.step, ds.layer, joint)
                 result.draft_decisions[ds.group_id] = decision
