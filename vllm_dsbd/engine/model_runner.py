@@ -140,6 +140,11 @@ class DSBDModelRunnerMixin:
         return None
 
     def _sample(self, logits, spec_decode_metadata):
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+            # No request of this step has draft tokens (vLLM builds the metadata on every step of a
+            # speculative engine): vLLM's rejection sampler would apply top-k to zero rows and fail
+            # (k.max() of an empty tensor); its plain sampler samples the same rows.
+            spec_decode_metadata = None
         sampler_output = super()._sample(logits, spec_decode_metadata)
         plan, self._dsbd_plan = self._dsbd_plan, None
         if plan is None:
