@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -219,3 +220,57 @@ def test_use_beam_search_params_keep_the_requests_stop_rules(kind):
     assert beam.n == 3 and beam.extra_args["beam_width"] == 3 and beam.extra_args["length_penalty"] == 0.5
     none = sampling_params_for(CompletionRequest(model="m", prompt="p", n=2).to_beam_search_params(8, {}))
     assert none.stop == [] and none.stop_token_ids == []
+
+
+def _beam_request(kind: str, **options):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    if kind == "completion":
+        return CompletionRequest(model="m", prompt="p", n=2, use_beam_search=True, **options)
+    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "p"}], n=2, use_beam_search=True,
+                                 **options)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize("option", [{"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.1}, {"presence_penalty": 0.5},
+                                    {"frequency_penalty": 0.5}, {"repetition_penalty": 1.2},
+                                    {"logit_bias": {"5": 2.0}}, {"min_tokens": 3}, {"bad_words": ["x"]},
+                                    {"prompt_logprobs": 1}, {"allowed_token_ids": [1, 2]}])
+def test_use_beam_search_refuses_options_a_search_does_not_apply_naming_them(kind, option):
+    """Patch 11: vLLM's server dropped them without a word; on a DSBD engine they are refused by name."""
+    from vllm_dsbd.engine.requests import BeamRequestError
+    from vllm_dsbd.entrypoints.beam_search import sampling_params_for
+
+    (name, value), = option.items()
+    params = _beam_request(kind, **option).to_beam_search_params(8, {})
+    with pytest.raises(BeamRequestError, match=re.escape(f"use_beam_search does not apply {name}={value!r}")):
+        sampling_params_for(params)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_use_beam_search_takes_neutral_options_logprobs_and_dsbd_knobs(kind):
+    from vllm_dsbd.entrypoints.beam_search import sampling_params_for
+
+    neutral = dict(top_p=1.0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, min_tokens=0,
+                   seed=3, vllm_xargs={"num_speculative_tokens": 1, "beam_width": 2})
+    logprobs = {"logprobs": 3} if kind == "completion" else {"logprobs": True, "top_logprobs": 3}
+    beam = sampling_params_for(_beam_request(kind, **neutral, **logprobs).to_beam_search_params(8, {}))
+    assert beam.logprobs == 3
+    assert beam.extra_args == {"num_speculative_tokens": 1, "beam_width": 2, "decoder": "dsbd", "length_penalty": 1.0}
+    plain = sampling_params_for(_beam_request(kind).to_beam_search_params(8, {}))
+    assert plain.logprobs == 0 and plain.extra_args == {"beam_width": 2, "decoder": "dsbd", "length_penalty": 1.0}
+
+
+@pytest.mark.parametrize("xargs, match", [({"beam_width": 4}, r"'beam_width'=4 contradicts n"),
+                                          ({"decoder": "mjsd"}, r"'decoder'='mjsd' contradicts use_beam_search"),
+                                          ({"length_penalty": 0.5}, r"'length_penalty'=0.5 contradicts length_penalty")])
+def test_use_beam_search_refuses_vllm_xargs_that_contradict_it(xargs, match):
+    from vllm_dsbd.engine.requests import BeamRequestError
+    from vllm_dsbd.entrypoints.beam_search import sampling_params_for
+
+    params = _beam_request("completion", length_penalty=2.0, vllm_xargs=xargs).to_beam_search_params(8, {})
+    with pytest.raises(BeamRequestError, match=match):
+        sampling_params_for(params)
+    given_once = _beam_request("completion", vllm_xargs={"length_penalty": 0.5}).to_beam_search_params(8, {})
+    assert sampling_params_for(given_once).extra_args["length_penalty"] == 0.5

@@ -56,17 +56,20 @@ def _online_beam_search_through_engine() -> None:
 
 
 # ---------------------------------------------------------------------------
-# Patch 11 — the server's use_beam_search keeps the request's stop rules.
+# Patch 11 — the server's use_beam_search keeps what else the request asked for.
 #   target:  vllm.entrypoints.openai.completion.protocol.CompletionRequest.to_beam_search_params
 #            vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionRequest.to_beam_search_params
 #   why:     they build vLLM's BeamSearchParams, which has no stop fields: a
-#            use_beam_search request's `stop` and `stop_token_ids` were
+#            use_beam_search request's `stop`, `stop_token_ids`, `logprobs`,
+#            `vllm_xargs` and sampling options (top_p, penalties, ...) were
 #            dropped without a word (vLLM's own loop ignores them too).
 #   how:     return vllm_dsbd.entrypoints.beam_search.BeamRequestParams (a
-#            BeamSearchParams subclass carrying them), which patch 9 turns into
-#            a beam request with the same stop rules; vLLM's own loop, on
-#            other engines, reads only the fields it knows.
-#   remove-when: vLLM's BeamSearchParams carries stop rules.
+#            BeamSearchParams subclass carrying them, and the names of the
+#            options set that a search does not apply), which patch 9 turns
+#            into a beam request that honours the first and is refused for the
+#            others; vLLM's own loop, on other engines, reads only the fields
+#            it knows.
+#   remove-when: vLLM's BeamSearchParams carries the request's options.
 # ---------------------------------------------------------------------------
 def _beam_search_params_keep_stops() -> None:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -79,7 +82,7 @@ def _beam_search_params_keep_stops() -> None:
 
         def to_beam_search_params(self, *args, _original=original, **kwargs):
             params = _original(self, *args, **kwargs)
-            return BeamRequestParams.with_stops(params, self.stop, self.stop_token_ids)
+            return BeamRequestParams.from_request(params, self)
 
         request_cls.to_beam_search_params = _wrapped(original, to_beam_search_params)
 
