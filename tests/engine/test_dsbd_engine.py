@@ -168,19 +168,18 @@ def test_mixed_batch_speculative_beam_and_plain_requests(dsbd_tiny_spec_llm):
         assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
 
 
-def test_plain_top_k_sampling_on_a_speculative_engine_with_no_draft_in_the_step(dsbd_tiny_spec_llm):
-    """A plain request with top-k at T > 0, alone or beside γ 0 beam groups: no request of the step has
-    draft tokens. vLLM's rejection sampler then applied top-k to zero rows and the worker died (found by
-    the fuzz test); the step now samples as a plain step: seeded, the request returns what a plain
-    engine returns."""
+@pytest.mark.parametrize("gamma", [0, 3])
+def test_plain_top_k_sampling_beside_beam_groups_on_a_speculative_engine(dsbd_tiny_spec_llm, gamma):
+    """A plain request with top-k at T > 0, alone, beside γ 0 beam groups (no draft token in the step) and
+    beside DSBD verify steps. Both killed the worker (found by the fuzz run): vLLM's rejection sampler
+    applied top-k to zero rows, and on CPU expanded top-k into uninitialised memory. Seeded, the request
+    returns what it returns alone."""
     from vllm import SamplingParams
 
     plain = SamplingParams(temperature=0.8, top_k=5, seed=3, max_tokens=6, ignore_eos=True)
+    beams = _beam_request(3, gamma, 6, temperature=1.0, top_k=5, seed=1, ignore_eos=True)
     alone = dsbd_tiny_spec_llm.generate(PROMPTS, plain, use_tqdm=False)
-    mixed = dsbd_tiny_spec_llm.generate(PROMPTS * 2, [plain] * 3 + [_beam_request(3, 0, 6, temperature=1.0,
-                                                                                  top_k=5, seed=1,
-                                                                                  ignore_eos=True)] * 3,
-                                        use_tqdm=False)
+    mixed = dsbd_tiny_spec_llm.generate(PROMPTS * 2, [plain] * 3 + [beams] * 3, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in alone] == [o.outputs[0].token_ids for o in mixed[:3]]
     assert all(len(o.outputs) == 3 and all(len(c.token_ids) == 6 for c in o.outputs) for o in mixed[3:])
     assert all(len(o.outputs[0].token_ids) == 6 for o in alone)

@@ -140,12 +140,10 @@ class DSBDModelRunnerMixin:
         return None
 
     def _sample(self, logits, spec_decode_metadata):
-        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
-            # No request of this step has draft tokens (vLLM builds the metadata on every step of a
-            # speculative engine): vLLM's rejection sampler would apply top-k to zero rows and fail
-            # (k.max() of an empty tensor); its plain sampler samples the same rows.
-            spec_decode_metadata = None
-        sampler_output = super()._sample(logits, spec_decode_metadata)
+        if spec_decode_metadata is None or logits is None:
+            sampler_output = super()._sample(logits, spec_decode_metadata)
+        else:
+            sampler_output = self._sample_last_rows(logits, spec_decode_metadata)
         plan, self._dsbd_plan = self._dsbd_plan, None
         if plan is None:
             return sampler_output
@@ -203,6 +201,36 @@ class DSBDModelRunnerMixin:
         self._dsbd_digest.update(pickle.dumps(result))
         self._dsbd_profile.decided(time.perf_counter() - decide_start)
         return sampler_output
+
+    def _sample_last_rows(self, logits, metadata):
+        """vLLM's sampler on each request's last logits row, laid out as the rejection sampler's output.
+
+        Only verification paths carry draft tokens, and their rows are decided by DSBD or MJSD (``_sample``
+        overwrites them); every other request has one row. vLLM's rejection sampler is not run: it
+        would reject nothing DSBD keeps, and on CPU it breaks (vLLM 0.32's CPU ``expand_kernel`` writes
+        an int64 copy of its int32/float output, so top-k and temperature per draft token are
+        uninitialised memory: the worker died on any top-k request beside a verify step, or with no
+        draft token at all, ``k.max()`` of an empty tensor).
+        """
+        from vllm.v1.outputs import LogprobsTensors, SamplerOutput
+        from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
+
+        self.input_batch.update_async_output_token_ids()
+        out = self.sampler(logits=logits[metadata.bonus_logits_indices],
+                           sampling_metadata=self.input_batch.sampling_metadata)
+        num_reqs, width = out.sampled_token_ids.shape[0], metadata.max_spec_len + 1
+        tokens = out.sampled_token_ids.new_full((num_reqs, width), PLACEHOLDER_TOKEN_ID)
+        tokens[:, :1] = out.sampled_token_ids
+        lp = out.logprobs_tensors
+        if lp is not None:  # one row per (request, position), as parse_output filters them
+
+            def widen(t):
+                wide = t.new_zeros((num_reqs * width, *t.shape[1:]))
+                wide[::width] = t
+                return wide
+
+            lp = LogprobsTensors(widen(lp.logprob_token_ids), widen(lp.logprobs), widen(lp.selected_token_ranks))
+        return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=lp)
 
     def dsbd_decisions_digest(self) -> str:
         """A hash of every decision this runner made so far (equal on all tensor-parallel ranks)."""
