@@ -9,7 +9,9 @@ clients for ``--minutes`` (and at most ``--max-requests``). Each request is,
 at random (seeded): in-engine beam search (``use_beam_search``), beam
 sampling (``vllm_xargs`` beam_width, T 1, γ 0), DSBD beam search or
 sampling (speculative), DSBD beam search with stop strings, a stop token
-and top-2 log-probs, or a plain sampled request; a fraction of them
+and top-2 log-probs, MJSD with a stop string and top-2 log-probs,
+``use_beam_search`` with stop strings and a stop token, or a plain sampled
+request; a fraction of them
 (``--disconnect``) is abandoned by its client after a random short wait,
 closing the connection mid-request. Afterwards the server must be idle with
 no KV in use. Reports requests served, errors (anything but HTTP 200 on a
@@ -35,7 +37,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from benchmarks.harness import percentile, process_tree_rss
+from benchmarks.harness import percentile
 from benchmarks.machine import machine_facts
 from vllm_dsbd import pairs
 
@@ -48,6 +50,10 @@ KINDS = {  # name: the completion request's extra fields
     "dsbd-sampling": {"n": 1, "temperature": 1.0, "vllm_xargs": {"beam_width": 4, "width_threshold": 0.7}},
     "beam-stop-logprobs": {"n": 2, "temperature": 0.0, "stop": ["."], "stop_token_ids": [13], "logprobs": 2,
                            "vllm_xargs": {"beam_width": 4}},
+    "mjsd-stop-logprobs": {"n": 1, "temperature": 0.0, "stop": ["."], "logprobs": 2,
+                           "vllm_xargs": {"decoder": "mjsd", "beam_width": 4}},
+    "beam-search-stop": {"use_beam_search": True, "n": 3, "temperature": 0.0, "stop": [".", "\n"],
+                         "stop_token_ids": [13]},
     "plain": {"temperature": 1.0},
 }
 

@@ -66,6 +66,20 @@ def test_request_overrides_apply_and_keep_engine_maxima():
         engine.for_request({"beam_width": 0})
 
 
+@pytest.mark.parametrize("sent, taken", [(True, True), (1, True), (0, False), ("true", True), ("False", False)])
+def test_boolean_request_knobs_take_what_the_server_passes_for_json_booleans(sent, taken):
+    """vLLM's server types vllm_xargs values str | int | float | list: JSON true arrives as 1 (the fuzz run
+    found fixed_width, memory_efficient and auto_depth refused over HTTP)."""
+    req = DSBDConfig(beam_width=8).for_request({"fixed_width": sent, "auto_depth": sent})
+    assert req.fixed_width is taken and req.auto_depth is taken
+
+
+@pytest.mark.parametrize("sent", [2, 0.5, "yes", [1]])
+def test_other_values_of_boolean_request_knobs_are_refused_by_name(sent):
+    with pytest.raises(ValueError, match=r"DSBD knob 'memory_efficient'=.* allowed: true or false"):
+        DSBDConfig(beam_width=8).for_request({"memory_efficient": sent})
+
+
 def test_engine_wide_knobs_are_refused_per_request():
     """draft_vocab_size shapes the engine's draft head: a request cannot change it, not even to its value."""
     engine = DSBDConfig(num_speculative_tokens=2, draft_vocab_size=1000)

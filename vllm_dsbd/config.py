@@ -144,6 +144,7 @@ class DSBDConfig:
         if engine_only:
             raise ValueError(f"DSBD knob(s) {engine_only} are engine-wide: set them in --speculative-config "
                              f"(speculative_config=...), not per request.")
+        overrides = {k: _request_bool(v) if k in BOOL_KNOBS else v for k, v in overrides.items()}
         merged = dataclasses.replace(self, **_known(overrides, "the request's extra_args (vllm_xargs)"))
         for knob in ("beam_width", "num_speculative_tokens"):
             if getattr(merged, knob) > getattr(self, knob):
@@ -153,6 +154,20 @@ class DSBDConfig:
                     f"allowed: {1 if knob == 'beam_width' else 0}..{getattr(self, knob)}."
                 )
         return merged
+
+
+BOOL_KNOBS = ("fixed_width", "memory_efficient", "auto_depth")
+
+
+def _request_bool(value: Any) -> Any:
+    """A boolean knob of a request as a bool where it plainly is one: vLLM's server types ``vllm_xargs``
+    values ``str | int | float | list``, so a JSON ``true`` arrives as ``1``; ``"true"`` / ``"false"`` too.
+    Anything else is returned as is, for the config's check to refuse by name."""
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return value
 
 
 def _known(values: Mapping[str, Any], where: str) -> dict[str, Any]:

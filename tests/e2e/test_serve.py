@@ -200,3 +200,36 @@ def test_wide_beams_are_served_and_speculation_stays_lossless(client):
 
     speculative, plain = texts(), texts(num_speculative_tokens=0)
     assert len(speculative) == 3 and speculative == plain
+
+
+def test_fuzzed_requests_over_http_are_answered_or_refused_by_name(server, tiny_eos_target):
+    """The fuzz test's batches (tests/engine/test_fuzz.py) as completions requests, concurrent, with clients
+    hanging up: each answered with its guarantees or refused (400) naming an option; the server keeps
+    serving with no KV in use."""
+    from benchmarks.fuzz import Tally, run_fuzz
+    from benchmarks.fuzz_served import Served
+
+    tally = Tally()
+    run_fuzz(Served(server, "tiny", str(tiny_eos_target), 512), 15, None, tally)
+    assert tally.requests >= 15 and tally.engine_deaths == 0 and tally.kv_leaks == 0
+    assert {outcome for (_, outcome), count in tally.outcomes.items() if count} >= {"answered", "refused"}
+
+
+def test_use_beam_search_returns_logprobs_and_refuses_options_it_does_not_apply(client):
+    import openai
+
+    r = client.completions.create(model="tiny", prompt=PROMPT, n=2, max_tokens=5, logprobs=2,
+                                  extra_body={"use_beam_search": True})
+    assert all(len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) >= 1 for c in r.choices)
+    with pytest.raises(openai.BadRequestError, match=r"use_beam_search does not apply top_p=0.5"):
+        client.completions.create(model="tiny", prompt=PROMPT, n=2, max_tokens=5, top_p=0.5,
+                                  extra_body={"use_beam_search": True})
+
+
+def test_boolean_knobs_are_taken_over_http(client):
+    """vllm_xargs carries JSON true as 1 (vLLM types its values str | int | float | list)."""
+    for knobs, n in (({"beam_width": 4, "fixed_width": True}, 2), ({"beam_width": 4, "memory_efficient": True}, 1),
+                     ({"beam_width": 4, "auto_depth": True}, 2)):
+        r = client.completions.create(model="tiny", prompt=PROMPT, n=n, max_tokens=5, temperature=1.0, seed=1,
+                                      extra_body={"vllm_xargs": knobs})
+        assert len(r.choices) == n
