@@ -28,6 +28,7 @@ import itertools
 import json
 import re
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -466,7 +467,9 @@ def main(argv: list[str] | None = None) -> int:
 
             transport = Offline(LLM(**_tiny_engine_kwargs()), _llm_kv_usage)
         else:
-            transport = Served.start(_tiny_engine_kwargs(), args.out / "server.log")
+            log = Path(tempfile.mkdtemp(prefix="fuzz-")) / "server.log"
+            print(f"served: the server's log is {log}", flush=True)
+            transport = Served.start(_tiny_engine_kwargs(), log)
         try:
             for chunk in itertools.count():
                 if tally.requests >= args.requests:
