@@ -102,7 +102,7 @@ def test_auto_depth_frees_all_kv_after_finish_and_abort(dsbd_tiny_spec_llm):
         lambda i: _auto_request(4, 200, temperature=1.0, seed=i, ignore_eos=True), prefix="abort-auto")
 
 
-@pytest.mark.parametrize("value", ["yes", 1, None])
+@pytest.mark.parametrize("value", ["yes", 2, None])  # 1 and 0 are true and false (JSON true over HTTP)
 def test_bad_auto_depth_values_are_refused_naming_the_knob(dsbd_tiny_spec_llm, value):
     with pytest.raises(ValueError, match=r"'auto_depth'.*allowed: true or false"):
         dsbd_tiny_spec_llm.generate(PROMPTS[:1], _auto_request(2, 4, extra={"auto_depth": value}), use_tqdm=False)
