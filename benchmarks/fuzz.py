@@ -97,20 +97,27 @@ class Spec:
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
-        from vllm_dsbd.entrypoints.beam_search import BeamRequestParams, sampling_params_for
+        from vllm_dsbd.entrypoints.beam_search import sampling_params_for
 
         options = dict(self.options)
         if "structured_outputs" in options:
             options["structured_outputs"] = StructuredOutputsParams(**options["structured_outputs"])
         if self.kind == "beam_search":  # what LLM.beam_search and the server's use_beam_search submit
-            own = {k: options.pop(k) for k in ("stop", "stop_token_ids", "logprobs", "include_stop_str_in_output",
-                                               "ignore_eos") if k in options}
-            params = BeamRequestParams(beam_width=options.pop("n", 1), max_tokens=options.pop("max_tokens"),
-                                       not_applied=[f"{k}={v!r}" for k, v in options.items()
-                                                    if k not in ("temperature", "seed", "detokenize")] or None,
-                                       extra_args=self.knobs or None, **own)
-            return sampling_params_for(params)
+            return sampling_params_for(self.beam_search_params())
         return SamplingParams(**options, extra_args=dict(self.knobs) or None)
+
+    def beam_search_params(self):
+        """A beam-search request's ``BeamRequestParams``: its stop rules, logprobs and knobs, and the options
+        a search does not apply named in ``not_applied``, as the server's use_beam_search builds them."""
+        from vllm_dsbd.entrypoints.beam_search import BeamRequestParams
+
+        options = dict(self.options)
+        own = {k: options.pop(k) for k in ("stop", "stop_token_ids", "logprobs", "include_stop_str_in_output",
+                                           "ignore_eos") if k in options}
+        not_applied = [f"{k}={v!r}" for k, v in options.items()
+                       if k not in ("n", "max_tokens", "temperature", "seed", "detokenize")]
+        return BeamRequestParams(beam_width=options.get("n", 1), max_tokens=options["max_tokens"],
+                                 not_applied=not_applied or None, extra_args=self.knobs or None, **own)
 
 
 @st.composite
@@ -366,14 +373,8 @@ class Offline:
 
     def _beam_search(self, spec: Spec) -> Result:
         """``LLM.beam_search`` with the request's stop rules, logprobs and knobs (``BeamRequestParams``)."""
-        from vllm_dsbd.entrypoints.beam_search import BeamRequestParams
-
-        o = spec.options
         try:
-            params = BeamRequestParams(
-                beam_width=o.get("n", 1), max_tokens=o["max_tokens"], ignore_eos=o.get("ignore_eos", False),
-                include_stop_str_in_output=o.get("include_stop_str_in_output", False), stop=o.get("stop"),
-                stop_token_ids=o.get("stop_token_ids"), logprobs=o.get("logprobs"), extra_args=spec.knobs or None)
+            params = spec.beam_search_params()
             (out,) = self.llm.beam_search([{"prompt": spec.prompt}], params)
         except Exception as e:  # a refusal (an engine death shows in alive())
             return Result("refused", message=f"{type(e).__name__}: {e}")
