@@ -31,6 +31,7 @@ from benchmarks.machine import machine_facts
 from benchmarks.run import load_prompts
 from benchmarks.scripts import add_prompt_args, write_result
 from vllm_dsbd import models
+from vllm_dsbd.dtypes import add_dtype_argument, resolve_dtype
 
 
 def _timed(fn) -> tuple[float, object]:
@@ -59,6 +60,8 @@ def run(args: argparse.Namespace) -> dict:
     from vllm_dsbd.demo import beam_engine_kwargs
     from vllm_dsbd.entrypoints.beam_search import vllm_builtin_beam_search
 
+    dtype = resolve_dtype(args.dtype)
+    print(f"[beams] dtype {dtype.dtype} ({dtype.reason})", flush=True)
     target = args.target or str(models.prepare_target())
     widths = [int(w) for w in args.widths.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -66,7 +69,7 @@ def run(args: argparse.Namespace) -> dict:
     inputs = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
     widest = max(widths)
     # vLLM's loop asks for 2W logprobs per step; every beam is a sequence of the engine.
-    llm = LLM(**{**beam_engine_kwargs(target, widest), "max_logprobs": max(20, 2 * widest),
+    llm = LLM(**{**beam_engine_kwargs(target, widest, dtype.dtype), "max_logprobs": max(20, 2 * widest),
                  "max_num_seqs": max(256, 2 * widest), "kv_cache_memory_bytes": int(args.kv_cache_gib * (1 << 30))})
 
     def greedy(max_tokens):
@@ -113,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
                      "num_prompts": len(prompts), "prompt_ids": [p.id for p in prompts], "batch": "all prompts",
                      "ignore_eos": True, "seed": args.seed, "engine": "DSBD, num_speculative_tokens=0",
                      "max_logprobs": max(20, 2 * widest), "kv_cache_gib": args.kv_cache_gib,
-                     "dtype": "float32", "block_size": 32},
+                     **dtype.as_dict(), "block_size": 32},
         "machine": machine_facts(),
         "results": rows,
     }
@@ -138,7 +141,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks(range(len(widths)), [f"W={w}" for w in widths])
     ax.set_ylabel("wall time (s)")
     s = result["settings"]
-    ax.set_title(f"{s['num_prompts']} prompts x {s['max_tokens']} tokens, {result['machine']['cpu']}", fontsize=9)
+    ax.set_title(f"{s['num_prompts']} prompts x {s['max_tokens']} tokens, {s.get('dtype', 'float32')}, "
+                 f"{result['machine']['cpu']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -149,6 +153,7 @@ def main() -> None:
     add_prompt_args(parser)
     parser.add_argument("--widths", default="2,4,8")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache (wide beams need more)")
+    add_dtype_argument(parser)
     parser.add_argument("--out", default="benchmarks/results/beams")
     args = parser.parse_args()
     result = run(args)

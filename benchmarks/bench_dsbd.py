@@ -45,6 +45,7 @@ from benchmarks.machine import machine_facts
 from benchmarks.run import load_prompts
 from benchmarks.scripts import add_prompt_args, write_result
 from vllm_dsbd import pairs
+from vllm_dsbd.dtypes import add_dtype_argument, resolve_dtype
 
 COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
             "accepted_tokens": "vllm:spec_decode_num_accepted_tokens", "beam_layers": "vllm:dsbd_beam_layers",
@@ -86,6 +87,8 @@ def run(args: argparse.Namespace) -> dict:
 
     from vllm_dsbd.demo import dsbd_engine_kwargs
 
+    dtype = resolve_dtype(args.dtype)
+    print(f"[dsbd] dtype {dtype.dtype} ({dtype.reason})", flush=True)
     pair = pairs.pair_paths(args.pair) if not (args.target and args.draft) else None
     target = args.target or str(pair.target)
     draft = args.draft or str(pair.draft)
@@ -100,8 +103,8 @@ def run(args: argparse.Namespace) -> dict:
     rows, baselines = [], {}  # baselines: temperature -> (seconds, tokens, forward seconds) of in-engine decoding
     for engine_index, vocab_size in enumerate(vocab_sizes):
         knobs = {"draft_vocab_size": vocab_size} if vocab_size else {}
-        llm = LLM(**dsbd_engine_kwargs(target, draft, max(max(gammas), auto_max, 1), args.width, **knobs),
-                  disable_log_stats=False)
+        llm = LLM(**dsbd_engine_kwargs(target, draft, max(max(gammas), auto_max, 1), args.width, dtype.dtype,
+                                       **knobs), disable_log_stats=False)
         # γ 0 runs no draft: the first engine's in-engine rows are every engine's baseline
         rows += _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, vocab_size, baselines,
                           with_baseline=engine_index == 0)
@@ -115,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
                      "max_tokens": args.max_tokens, "num_prompts": len(prompts),
                      "prompt_ids": [p.id for p in prompts],
                      "batch": "all prompts" if args.batch == "all" else "1 (prompts one after another)",
-                     "ignore_eos": True, "seed": args.seed, "dtype": "float32", "block_size": 32,
+                     "ignore_eos": True, "seed": args.seed, **dtype.as_dict(), "block_size": 32,
                      "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")},
         "machine": machine_facts(),
         "results": rows,
@@ -223,6 +226,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xlabel("γ (draft layers per iteration)")
         ax.set_ylabel("speedup vs in-engine (wall time)")
         ax.set_title(f"T={temperature}, W={s['width']}, {s['num_prompts']} prompts x {s['max_tokens']} tokens, "
+                     f"{s.get('dtype', 'float32')}, "
                      f"{result['machine']['cpu']}, worker cores {s.get('omp_threads_bind', 'auto')}", fontsize=8)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -249,6 +253,7 @@ def main() -> None:
     parser.add_argument("--omp-bind", default=None,
                         help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. 0-1: the worker on both cores of a "
                              "2-core machine; default: the environment's, else vLLM's auto)")
+    add_dtype_argument(parser)
     parser.add_argument("--out", default="benchmarks/results/dsbd")
     args = parser.parse_args()
     if not args.gammas.startswith("0"):

@@ -52,6 +52,7 @@ from benchmarks.machine import machine_facts
 from benchmarks.methods import Settings
 from benchmarks.run import BenchConfig, run_methods
 from vllm_dsbd import pairs
+from vllm_dsbd.dtypes import add_dtype_argument, resolve_dtype
 
 METHODS = (
     "vllm-greedy", "vllm-draft-model", "vllm-sampling", "dsbd-engine-beam-search", "dsbd-engine-beam-sampling",
@@ -150,8 +151,11 @@ def run(args: argparse.Namespace) -> dict:
         warmup_tokens=8, num_speculative_tokens=args.gamma, width_threshold=args.tau,
         baseline=methods[0], methods=methods, out_dir=str(args.out),
     )
+    dtype = resolve_dtype(args.dtype)
+    print(f"[humaneval] dtype {dtype.dtype} ({dtype.reason})", flush=True)
     settings = Settings(target=target, draft=draft, beam_width=args.width, temperature=args.temperature,
-                        seed=args.seed, num_speculative_tokens=args.gamma, width_threshold=args.tau)
+                        seed=args.seed, num_speculative_tokens=args.gamma, width_threshold=args.tau,
+                        dtype=dtype.dtype, dtype_reason=dtype.reason)
     summaries, records = run_methods(config, settings, prompts, tokenizer.eos_token_id)
     replies = {(r.method, r.prompt_id): tokenizer.decode(r.beams[0], skip_special_tokens=True) for r in records}
     print(f"[humaneval] checking {len(replies)} completions", flush=True)
@@ -187,7 +191,7 @@ def run(args: argparse.Namespace) -> dict:
                      "max_tokens": args.max_tokens, "width": args.width, "temperature": args.temperature,
                      "num_speculative_tokens": args.gamma, "width_threshold": args.tau, "seed": args.seed,
                      "batch": config.batch_size, "timeout_s": args.timeout, "instruction": INSTRUCTION,
-                     "stopping": "end of turn (tokenizer EOS) or max_tokens"},
+                     "stopping": "end of turn (tokenizer EOS) or max_tokens", **dtype.as_dict()},
         "machine": machine_facts(),
         "identical_by_construction": identical,
         "methods": summaries,
@@ -253,6 +257,7 @@ def main() -> None:
     parser.add_argument("--batch", default="all", help="'all' (one batch) or requests per batch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per program")
+    add_dtype_argument(parser)
     parser.add_argument("--out", default="benchmarks/results/humaneval")
     args = parser.parse_args()
     result = run(args)

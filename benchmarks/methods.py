@@ -45,6 +45,8 @@ class Settings:
     num_speculative_tokens: int
     width_threshold: float
     draft_model_tokens: int | None = None  # γ of vLLM's draft_model (default: num_speculative_tokens)
+    dtype: str = "float32"  # of every model, vLLM's and transformers' (vllm_dsbd.dtypes)
+    dtype_reason: str = "the default"
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ def _vllm_engine(settings: Settings, **overrides) -> Iterator[tuple[Any, Probes]
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported
     from vllm import LLM
 
-    llm = LLM(**engine_kwargs(settings.target), disable_log_stats=False, **overrides)
+    llm = LLM(**engine_kwargs(settings.target, settings.dtype), disable_log_stats=False, **overrides)
     spec = overrides.get("speculative_config") or {}
     try:
         yield llm, Probes(
@@ -226,11 +228,11 @@ def _vllm_draft_model(llm, s: Settings) -> GenerateFn:
 
 @contextmanager
 def _hf_model(settings: Settings) -> Iterator[tuple[Any, Probes]]:
-    """The target in transformers, float32, eval mode (torch's default CPU threads)."""
+    """The target in transformers, in the settings' dtype, eval mode (torch's default CPU threads)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(settings.target, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(settings.target, dtype=getattr(torch, settings.dtype)).eval()
     try:
         yield model, Probes()
     finally:

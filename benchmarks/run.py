@@ -25,6 +25,7 @@ from benchmarks import harness, report, scoring
 from benchmarks.machine import machine_facts
 from benchmarks.methods import BACKENDS, METHODS, Settings, skip_reason
 from vllm_dsbd import models, pairs
+from vllm_dsbd.dtypes import add_dtype_argument, resolve_dtype
 
 
 @dataclass(frozen=True)
@@ -189,8 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--baseline", default=None)
+    add_dtype_argument(p)
     p.add_argument("--out", type=Path, default=None, help="output folder (default: the config's out_dir)")
     args = p.parse_args(argv)
+    dtype = resolve_dtype(args.dtype)
+    print(f"[bench] dtype {dtype.dtype} ({dtype.reason})", flush=True)
 
     config = BenchConfig.load(
         args.config,
@@ -213,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         num_speculative_tokens=args.num_speculative_tokens or config.num_speculative_tokens,
         width_threshold=config.width_threshold,
         draft_model_tokens=args.draft_model_tokens or config.draft_model_tokens,
+        dtype=dtype.dtype,
+        dtype_reason=dtype.reason,
     )
     out_dir = args.out or Path(config.out_dir)
     result = run(config, settings, out_dir)

@@ -40,7 +40,8 @@ MODULE_ORDER = [
     "engine/test_beam_engine.py",  # dsbd_tiny_llm, dsbd_target_llm, target_llm, tiny_eos_llm
     "engine/test_beam_logprobs.py", "engine/test_beam_stop_tokens.py",  # dsbd_tiny_llm, dsbd_tiny_spec_llm
     "engine/test_draft_vocab.py", "engine/test_wide_beams.py",  # tiny_eos_llm, their own
-    "engine/test_auto_depth.py", "engine/test_dsbd_engine.py", "engine/test_mjsd_engine.py", "engine/test_fuzz.py",
+    "engine/test_auto_depth.py", "engine/test_bf16.py", "engine/test_dsbd_engine.py", "engine/test_mjsd_engine.py",
+    "engine/test_fuzz.py",
     # dsbd_tiny_spec_llm, tiny_eos_llm, dsbd_spec_target_llm, target_llm
     "engine/test_tensor_parallel.py", "engine/test_ray_executor.py", "engine/test_ray_data_example.py",
     "e2e/test_serve.py",

@@ -5,6 +5,7 @@ No vLLM engine starts here; every expected value is computed by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -240,3 +241,25 @@ def test_the_harness_exits_non_zero_when_a_method_raised(tmp_path, monkeypatch, 
                                "--target", "t", "--draft", "d"])
         assert code == want, status
     assert "FAILED: c" in capsys.readouterr().err
+
+
+def test_the_harness_records_the_dtype_it_picked(tmp_path, monkeypatch):
+    """``--dtype`` (default auto: the machine's, vllm_dsbd.dtypes) reaches the methods' settings and the result."""
+    from benchmarks import run as bench_run
+    from vllm_dsbd.dtypes import machine_dtype
+
+    seen = []
+
+    def fake_run(config, settings, out_dir):
+        seen.append(settings)
+        (out_dir / "table.md").write_text("table\n")
+        return {"methods": {}}
+
+    monkeypatch.setattr(bench_run, "run", fake_run)
+    argv = ["--config", "benchmarks/configs/quick.json", "--out", str(tmp_path), "--target", "t", "--draft", "d"]
+    assert bench_run.main(argv) == 0
+    assert bench_run.main(argv + ["--dtype", "float32"]) == 0
+    auto, explicit = seen
+    assert (auto.dtype, auto.dtype_reason) == (machine_dtype().dtype, machine_dtype().reason)
+    assert (explicit.dtype, explicit.dtype_reason) == ("float32", "asked for (--dtype float32)")
+    assert dataclasses.asdict(explicit)["dtype"] == "float32"  # run() records asdict(settings) in the result

@@ -29,6 +29,9 @@ def test_defaults_follow_algorithm_md():
         ({"fixed_width": 1}, "fixed_width"),
         ({"draft_vocab_size": -1}, "draft_vocab_size"),
         ({"draft_vocab_size": 1.5}, "draft_vocab_size"),
+        ({"draft_dtype": "int8"}, "draft_dtype"),
+        ({"draft_dtype": None}, "draft_dtype"),
+        ({"draft_dtype": "BF16"}, "draft_dtype"),
         ({"decoder": "beam"}, "decoder"),
         ({"decoder": None}, "decoder"),
         ({"mjsd_tau": -0.1}, "mjsd_tau"),
@@ -85,6 +88,8 @@ def test_engine_wide_knobs_are_refused_per_request():
     engine = DSBDConfig(num_speculative_tokens=2, draft_vocab_size=1000)
     with pytest.raises(ValueError, match=r"\['draft_vocab_size'\] are engine-wide: set them in --speculative-config"):
         engine.for_request({"draft_vocab_size": 1000})
+    with pytest.raises(ValueError, match=r"\['draft_dtype'\] are engine-wide"):
+        engine.for_request({"draft_dtype": "bfloat16"})
 
 
 @pytest.mark.parametrize("knobs, knob", [

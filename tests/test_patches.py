@@ -150,6 +150,9 @@ def test_other_engines_are_untouched(tiny_pair):
         ({"num_speculative_tokens": 2, "draft_vocab_size": 49152},
          r"'draft_vocab_size'=49152 is not smaller than the draft's vocabulary \(49152\); allowed: 0 .* 1..49151"),
         ({"num_speculative_tokens": 2, "draft_vocab_size": -5}, r"'draft_vocab_size'=-5"),
+        ({"num_speculative_tokens": 2, "draft_dtype": "fp8"},
+         r"'draft_dtype'='fp8' is invalid; allowed: 'auto', 'float32', 'bfloat16', 'float16'"),
+        ({"num_speculative_tokens": 2, "draft_dtype": "bf16"}, r"'draft_dtype'='bf16' is invalid"),
     ],
 )
 def test_bad_dsbd_knob_in_speculative_config(tiny_pair, spec, message):
@@ -162,6 +165,27 @@ def test_draft_vocab_size_without_a_draft_is_refused(tiny_pair):
     del args.speculative_config["model"]
     with pytest.raises(ValueError, match=r"'draft_vocab_size'=1000 shapes the draft's head.*uses no draft"):
         args.create_engine_config()
+
+
+def test_draft_dtype_without_a_draft_is_refused(tiny_pair):
+    args = _engine_args(tiny_pair, num_speculative_tokens=0, draft_dtype="bfloat16")
+    del args.speculative_config["model"]
+    with pytest.raises(ValueError, match=r"'draft_dtype'='bfloat16' sets the draft's dtype.*uses no draft"):
+        args.create_engine_config()
+
+
+@pytest.mark.parametrize("target, draft_dtype, want", [
+    ("float32", "bfloat16", "bfloat16"), ("bfloat16", "float32", "float32"),
+    ("bfloat16", "auto", "bfloat16"), ("float32", "auto", "float32"),
+])
+def test_the_draft_gets_its_own_dtype(tiny_pair, target, draft_dtype, want):
+    import torch
+
+    args = _engine_args(tiny_pair, num_speculative_tokens=2, draft_dtype=draft_dtype)
+    args.dtype = target
+    config = args.create_engine_config()
+    assert config.model_config.dtype == getattr(torch, target)
+    assert config.speculative_config.draft_model_config.dtype == getattr(torch, want)
 
 
 def test_dsbd_speculation_without_a_draft_model_is_refused(tiny_pair):

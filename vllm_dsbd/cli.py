@@ -1,4 +1,4 @@
-"""The ``vllm-dsbd`` command: prepare models, run the demo."""
+"""The ``vllm-dsbd`` command: prepare models, run the demo, print the machine's dtype."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from vllm_dsbd import models, pairs
+from vllm_dsbd.dtypes import add_dtype_argument, machine_dtype
 
 
 def _cmd_models_prepare(args: argparse.Namespace) -> int:
@@ -52,6 +53,13 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
     return evaluate.run(args)
 
 
+def _cmd_dtype(args: argparse.Namespace) -> int:
+    choice = machine_dtype()
+    print(choice.dtype)
+    print(f"vllm-dsbd: {choice.dtype}: {choice.reason}", file=sys.stderr)
+    return 0
+
+
 def _add_pair_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", default=pairs.DEFAULT_PAIR, choices=list(pairs.PAIRS),
                    help="model pair: " + "; ".join(f"{k}: {v.description}" for k, v in pairs.PAIRS.items())
@@ -86,7 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--num-speculative-tokens", type=int, default=1,
                    help="DSBD draft depth γ (1: the fastest with the shipped draft on a CPU, benchmarks/results/dsbd)")
     d.add_argument("--no-draft", action="store_true", help="skip the DSBD rows")
+    add_dtype_argument(d)
     d.set_defaults(func=_cmd_demo)
+
+    t = sub.add_parser("dtype", help="print the dtype this machine runs models fastest in (bfloat16 or float32; "
+                                     "why on stderr): vllm-dsbd serve T --dtype \"$(vllm-dsbd dtype)\"")
+    t.set_defaults(func=_cmd_dtype)
 
     from vllm_dsbd.draft import distill, evaluate
 

@@ -41,7 +41,11 @@ VLLM_RESERVED_EXTRA_ARGS = frozenset({"kv_transfer_params", "ec_transfer_params"
 DECODERS = ("dsbd", "mjsd")
 
 #: Knobs that shape the engine itself (its models), not one request's decoding.
-ENGINE_ONLY_KNOBS = frozenset({"draft_vocab_size"})
+ENGINE_ONLY_KNOBS = frozenset({"draft_vocab_size", "draft_dtype"})
+
+#: What the ``draft_dtype`` knob takes: "auto" (the target's dtype) or a dtype vLLM's CPU and GPU
+#: platforms run a model in.
+DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,9 @@ class DSBDConfig:
     draft_vocab_size: int = 0
     """Engine-wide only: the draft computes logits for the N lowest token ids plus the special tokens
     (``engine.draft_head``); 0 = the whole vocabulary. Cheaper drafts, still exact (q = 0 elsewhere)."""
+    draft_dtype: str = "auto"
+    """Engine-wide only: the dtype the draft model computes in (weights, activations, its KV cache);
+    "auto" = the target's ``--dtype``. Any dtype keeps DSBD exact: q is whatever the draft samples from."""
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, low=1)
@@ -88,6 +95,9 @@ class DSBDConfig:
         _check_bool("memory_efficient", self.memory_efficient)
         _check_bool("auto_depth", self.auto_depth)
         _check_int("draft_vocab_size", self.draft_vocab_size, low=0)
+        if self.draft_dtype not in DRAFT_DTYPES:
+            raise ValueError(f"DSBD knob 'draft_dtype'={self.draft_dtype!r} is invalid; allowed: "
+                             f"{', '.join(map(repr, DRAFT_DTYPES))} (\"auto\": the target's dtype).")
         if self.decoder not in DECODERS:
             raise ValueError(f"DSBD knob 'decoder'={self.decoder!r} is invalid; allowed: "
                              f"{' or '.join(map(repr, DECODERS))}.")

@@ -17,6 +17,7 @@ import os
 import time
 
 from vllm_dsbd import models, pairs
+from vllm_dsbd.dtypes import resolve_dtype
 
 DEMO_PROMPTS = [
     "The capital of France is",
@@ -31,11 +32,12 @@ PAIR_PROMPTS = {
 }
 
 
-def engine_kwargs(model: str) -> dict:
-    """LLM(...) settings that work on a 2-core CPU machine (see ARCHITECTURE.md)."""
+def engine_kwargs(model: str, dtype: str = "float32") -> dict:
+    """LLM(...) settings that work on a 2-core CPU machine (see ARCHITECTURE.md); ``dtype``: float32 unless
+    asked (the exactness tests use it; the demo and benchmarks pass ``dtypes.machine_dtype()``'s)."""
     return dict(
         model=model,
-        dtype="float32",  # faster than bf16 on CPUs without native bf16
+        dtype=dtype,
         max_model_len=1024,
         enforce_eager=True,
         seed=0,
@@ -44,18 +46,18 @@ def engine_kwargs(model: str) -> dict:
     )
 
 
-def beam_engine_kwargs(model: str, max_beam_width: int = 8) -> dict:
+def beam_engine_kwargs(model: str, max_beam_width: int = 8, dtype: str = "float32") -> dict:
     """A DSBD engine without a draft: in-engine beam search and beam sampling."""
-    return dict(engine_kwargs(model), speculative_config={
+    return dict(engine_kwargs(model, dtype), speculative_config={
         "method": "dsbd", "num_speculative_tokens": 0, "beam_width": max_beam_width})
 
 
 def dsbd_engine_kwargs(model: str, draft: str, num_speculative_tokens: int = 4, max_beam_width: int = 8,
-                       **knobs) -> dict:
+                       dtype: str = "float32", **knobs) -> dict:
     """A DSBD engine drafting with ``draft``: γ and W are the most a request may ask for."""
     spec = {"method": "dsbd", "model": draft, "num_speculative_tokens": num_speculative_tokens,
             "beam_width": max_beam_width, **knobs}
-    return dict(engine_kwargs(model), speculative_config=spec)
+    return dict(engine_kwargs(model, dtype), speculative_config=spec)
 
 
 def _completion(prompt: str, text: str) -> str:
@@ -77,6 +79,8 @@ def demo_models(args: argparse.Namespace):
 
 def run_demo(args: argparse.Namespace) -> int:
     model, pair_draft, demo_prompts = demo_models(args)  # a clear error before vLLM starts
+    dtype = resolve_dtype(args.dtype)
+    print(f"dtype: {dtype.dtype} ({dtype.reason})")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import BeamSearchParams
@@ -85,8 +89,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
     width, max_tokens = args.beam_width, args.max_tokens
     t0 = time.perf_counter()
-    llm = LLM(**beam_engine_kwargs(model, max(8, width)))
-    print(f"\nengine start: {time.perf_counter() - t0:.1f} s  (model {model})")
+    llm = LLM(**beam_engine_kwargs(model, max(8, width), dtype.dtype))
+    print(f"\nengine start: {time.perf_counter() - t0:.1f} s  (model {model}, {dtype.dtype})")
     prompts = [{"prompt": p} for p in demo_prompts]
     search = BeamSearchParams(beam_width=width, max_tokens=max_tokens)
 
@@ -111,8 +115,8 @@ def run_demo(args: argparse.Namespace) -> int:
         llm.llm_engine.engine_core.shutdown()
         del llm
         t0 = time.perf_counter()
-        llm = LLM(**dsbd_engine_kwargs(model, str(draft), args.num_speculative_tokens, max(8, width)),
-                  disable_log_stats=False)
+        llm = LLM(**dsbd_engine_kwargs(model, str(draft), args.num_speculative_tokens, max(8, width),
+                                       dtype.dtype), disable_log_stats=False)
         print(f"DSBD engine start: {time.perf_counter() - t0:.1f} s  (draft {draft}, "
               f"γ={args.num_speculative_tokens})")
         timed(f"DSBD beam search (W={width}, γ={args.num_speculative_tokens}, lossless)", lambda: [
@@ -129,7 +133,7 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"--- {prompt!r}\n{text.strip()}")
     builtin, ours = rows[1][1], rows[2][1]
     print(
-        f"\n{len(demo_prompts)} prompts, {max_tokens} tokens each; wall clock on this machine. "
+        f"\n{len(demo_prompts)} prompts, {max_tokens} tokens each, {dtype.dtype}; wall clock on this machine. "
         f"In-engine beam search: {builtin / ours:.1f}x faster than vLLM's built-in loop, same outputs "
         f"at temperature 0."
     )

@@ -236,6 +236,20 @@ class DSBDModelRunnerMixin:
         """A hash of every decision this runner made so far (equal on all tensor-parallel ranks)."""
         return self._dsbd_digest.hexdigest()
 
+    def dsbd_model_dtypes(self) -> dict[str, dict[str, str]]:
+        """Per model ("target", and "draft" on a speculative engine): the dtype of its weights and of its
+        attention layers' KV cache, as loaded in this worker."""
+        models = {"target": self.model}
+        if getattr(self, "drafter", None) is not None:
+            models["draft"] = self.drafter.model
+        kv: dict[str, set[str]] = {}
+        for name, layer in self.compilation_config.static_forward_context.items():
+            cache = getattr(layer, "kv_cache", None)
+            if isinstance(cache, torch.Tensor) and cache.numel():
+                kv.setdefault("draft" if name.startswith("draft_model.") else "target", set()).add(str(cache.dtype))
+        return {name: {"weights": str(next(model.parameters()).dtype),
+                       "kv_cache": ",".join(sorted(kv.get(name, ())))} for name, model in models.items()}
+
     def dsbd_step_profile(self) -> dict[str, dict[str, float]]:
         """Per step kind: steps, tokens, seconds of the worker's step, of model forwards (logits included)
         and of DSBD's decisions, since the engine started (see :class:`StepProfile`)."""

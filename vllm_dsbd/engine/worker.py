@@ -26,6 +26,10 @@ class _DecisionsDigest:
         """The model runner's hash of its decisions; through ``LLM.collective_rpc`` one per rank."""
         return self.model_runner.dsbd_decisions_digest()
 
+    def dsbd_model_dtypes(self) -> dict[str, dict[str, str]]:
+        """The model runner's dtypes of the target and the draft (weights, KV cache); through ``LLM.collective_rpc``."""
+        return self.model_runner.dsbd_model_dtypes()
+
     def dsbd_step_profile(self) -> dict[str, dict[str, float]]:
         """The model runner's time per step kind (``StepProfile``); through ``LLM.collective_rpc``."""
         return self.model_runner.dsbd_step_profile()

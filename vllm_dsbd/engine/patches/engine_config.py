@@ -134,7 +134,8 @@ def _speculative_method_flag() -> None:
 #            speculative config is built; with a draft, prefix caching is
 #            turned off (a DSBD block may hold target KV without draft KV, or
 #            the other way round). After it: the draft's vocabulary must be
-#            the target's, and γ must fit max_model_len.
+#            the target's, γ must fit max_model_len, and the draft's
+#            ModelConfig takes the `draft_dtype` knob's dtype.
 #   remove-when: vLLM has an extension point for method-specific options and
 #            plugin-provided engine classes.
 # ---------------------------------------------------------------------------
@@ -151,6 +152,7 @@ def _dsbd_engine_config() -> None:
         config = original(self, *args, **kwargs)
         if config.speculative_config is not None:
             check_same_vocabulary(config.speculative_config)
+            set_draft_dtype(config.speculative_config, dsbd.draft_dtype)
             vocab = config.speculative_config.draft_model_config.get_vocab_size()
             if dsbd.draft_vocab_size >= vocab:
                 raise ValueError(
@@ -201,6 +203,9 @@ def _take_dsbd_config(args: Any) -> DSBDConfig | None:
     if dsbd.num_speculative_tokens == 0:
         if dsbd.draft_vocab_size:
             raise ValueError(f"DSBD knob 'draft_vocab_size'={dsbd.draft_vocab_size} shapes the draft's head, "
+                             "and 'num_speculative_tokens'=0 uses no draft; remove it.")
+        if dsbd.draft_dtype != "auto":
+            raise ValueError(f"DSBD knob 'draft_dtype'={dsbd.draft_dtype!r} sets the draft's dtype, "
                              "and 'num_speculative_tokens'=0 uses no draft; remove it.")
         if raw.get("model"):
             raise ValueError(
@@ -268,3 +273,15 @@ def check_same_vocabulary(config: Any) -> None:
             f"{config.draft_model_config.model} has vocab_size={draft}. Use a draft "
             f"trained with the target's tokenizer."
         )
+
+
+def set_draft_dtype(config: Any, draft_dtype: str) -> None:
+    """The draft computes in ``draft_dtype`` ("auto": vLLM's choice, the target's dtype). vLLM builds the
+    draft's ModelConfig with the target's dtype; the draft's weights, activations and KV cache (its
+    attention layers take the KV dtype from the draft's ModelConfig, in the target's KV-cache group) then
+    follow this one field."""
+    if draft_dtype == "auto":
+        return
+    import torch
+
+    config.draft_model_config.dtype = getattr(torch, draft_dtype)
