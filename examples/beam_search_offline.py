@@ -10,10 +10,13 @@ from vllm.sampling_params import BeamSearchParams
 
 from vllm_dsbd import models
 from vllm_dsbd.demo import engine_kwargs
+from vllm_dsbd.dtypes import machine_dtype
 
 
 def main() -> None:
-    llm = LLM(**engine_kwargs(str(models.prepare_target())))
+    dtype = machine_dtype()  # bfloat16 where the CPU computes it natively, else float32
+    print(f"dtype: {dtype.dtype} ({dtype.reason})")
+    llm = LLM(**engine_kwargs(str(models.prepare_target()), dtype.dtype))
     prompts = [{"prompt": "The three primary colours are"}]
     outputs = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=24))
     for beam in outputs[0].sequences:

@@ -70,9 +70,13 @@ def main() -> None:
 
     from vllm_dsbd import pairs
     from vllm_dsbd.demo import dsbd_engine_kwargs
+    from vllm_dsbd.dtypes import machine_dtype
 
     pair = pairs.prepare()
-    engine_kwargs = dsbd_engine_kwargs(str(pair.target), str(pair.draft), num_speculative_tokens=2)
+    dtype = machine_dtype()  # bfloat16 where the CPU computes it natively, else float32
+    print(f"dtype: {dtype.dtype} ({dtype.reason})")
+    engine_kwargs = dsbd_engine_kwargs(str(pair.target), str(pair.draft), num_speculative_tokens=2,
+                                       dtype=dtype.dtype)
     prompts = ["The three primary colours are", "A haiku about the sea:", "def fibonacci(n):",
                "The capital of Japan is"]
     rows = [{"id": i, "prompt": p, "width": 4, "temperature": t, "seed": 100 + i if t > 0 else -1,

@@ -81,7 +81,9 @@ def run_demo(args: argparse.Namespace) -> int:
     model, pair_draft, demo_prompts = demo_models(args)  # a clear error before vLLM starts
     dtype = resolve_dtype(args.dtype)
     print(f"dtype: {dtype.dtype} ({dtype.reason})")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported
+    # Before vLLM is imported. ERROR: in bf16 vLLM warns once per float32 weight it casts while loading
+    # (hundreds of lines, docs/dtype.md); VLLM_LOGGING_LEVEL=WARNING shows them and vLLM's other warnings.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import BeamSearchParams
 
