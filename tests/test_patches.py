@@ -188,6 +188,23 @@ def test_the_draft_gets_its_own_dtype(tiny_pair, target, draft_dtype, want):
     assert config.speculative_config.draft_model_config.dtype == getattr(torch, want)
 
 
+@pytest.mark.parametrize("layout", ["speculators", "eagle3"])
+def test_an_eagle3_head_is_refused_as_a_dsbd_draft_by_name(tiny_pair, tmp_path, layout):
+    """vLLM reads the head (its own eagle3 method builds a config from it); DSBD refuses it at engine start."""
+    from eagle3_heads import write_tiny_head  # tests/eagle3_heads.py
+
+    head = write_tiny_head(tiny_pair.target, tmp_path / layout, layout)
+    args = _engine_args(tiny_pair, num_speculative_tokens=2)
+    args.speculative_config = {**args.speculative_config, "method": "eagle3", "model": str(head)}
+    config = args.create_engine_config()
+    assert config.speculative_config.draft_model_config.hf_config.draft_vocab_size == 1024
+    args = _engine_args(tiny_pair, num_speculative_tokens=2)
+    args.speculative_config["model"] = str(head)
+    with pytest.raises(ValueError, match=r"is an EAGLE-3 head \((Eagle3LlamaForCausalLM|LlamaForCausalLMEagle3)\); "
+                                         r"DSBD cannot draft with EAGLE-3 heads yet.*'method': 'eagle3'"):
+        args.create_engine_config()
+
+
 def test_dsbd_speculation_without_a_draft_model_is_refused(tiny_pair):
     args = _engine_args(tiny_pair, num_speculative_tokens=2)
     del args.speculative_config["model"]

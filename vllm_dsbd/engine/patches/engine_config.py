@@ -134,8 +134,8 @@ def _speculative_method_flag() -> None:
 #            speculative config is built; with a draft, prefix caching is
 #            turned off (a DSBD block may hold target KV without draft KV, or
 #            the other way round). After it: the draft's vocabulary must be
-#            the target's, γ must fit max_model_len, and the draft's
-#            ModelConfig takes the `draft_dtype` knob's dtype.
+#            the target's (and not an EAGLE-3 head), γ must fit max_model_len,
+#            and the draft's ModelConfig takes the `draft_dtype` knob's dtype.
 #   remove-when: vLLM has an extension point for method-specific options and
 #            plugin-provided engine classes.
 # ---------------------------------------------------------------------------
@@ -151,6 +151,7 @@ def _dsbd_engine_config() -> None:
         _install_dsbd_engine(self, dsbd)
         config = original(self, *args, **kwargs)
         if config.speculative_config is not None:
+            refuse_eagle3_head(config.speculative_config)
             check_same_vocabulary(config.speculative_config)
             set_draft_dtype(config.speculative_config, dsbd.draft_dtype)
             vocab = config.speculative_config.draft_model_config.get_vocab_size()
@@ -261,6 +262,20 @@ def _install_dsbd_engine(args: Any, dsbd: DSBDConfig) -> None:
     args.worker_cls = worker
     args.async_scheduling = False
     args.additional_config = {**(args.additional_config or {}), ADDITIONAL_CONFIG_KEY: dsbd.to_dict()}
+
+
+def refuse_eagle3_head(config: Any) -> None:
+    """An EAGLE-3 head (speculators or original layout) is not a draft DSBD can run yet: it needs the target's
+    hidden states, which a DSBD draft step does not pass (docs/eagle3-design.md). Refused here, by name,
+    instead of failing while vLLM profiles the engine."""
+    archs = getattr(config.draft_model_config.hf_config, "architectures", None) or []
+    head = next((a for a in archs if "eagle3" in a.lower()), None)
+    if head is not None:
+        raise ValueError(
+            f"The DSBD draft {config.draft_model_config.model} is an EAGLE-3 head ({head}); DSBD cannot draft "
+            "with EAGLE-3 heads yet. Use a draft model with the target's vocabulary, or run the head with "
+            "vLLM's own greedy speculative decoding: speculative_config={'method': 'eagle3', 'model': ...}."
+        )
 
 
 def check_same_vocabulary(config: Any) -> None:
