@@ -267,7 +267,7 @@ def _install_dsbd_engine(args: Any, dsbd: DSBDConfig) -> None:
 def refuse_eagle3_head(config: Any) -> None:
     """An EAGLE-3 head (speculators or original layout) is not a draft DSBD can run yet: it needs the target's
     hidden states, which a DSBD draft step does not pass (docs/eagle3-design.md). Refused here, by name,
-    instead of failing while vLLM profiles the engine."""
+    instead of the first draft step killing the engine (the head's forward takes no intermediate_tensors)."""
     archs = getattr(config.draft_model_config.hf_config, "architectures", None) or []
     head = next((a for a in archs if "eagle3" in a.lower()), None)
     if head is not None:
