@@ -57,6 +57,10 @@ def write_tiny_head(target_dir: Path, out_dir: Path, layout: str, draft_vocab_si
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: one of {LAYOUTS}")
     target = json.loads((Path(target_dir) / "config.json").read_text())
+    # Residual-stream states entering layers 0, L // 2 and L (id i: the input of layer i, vLLM's numbering);
+    # vLLM's default (2, L // 2, L - 3) does not fit a 2-layer target.
+    layers = target["num_hidden_layers"]
+    aux_ids = [0, layers // 2, layers]
     layer = {k: target[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                                     "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size",
                                     "hidden_act", "bos_token_id", "eos_token_id") if k in target}
@@ -66,14 +70,15 @@ def write_tiny_head(target_dir: Path, out_dir: Path, layout: str, draft_vocab_si
         config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                   "speculators_version": "0.9.0", "transformer_layer_config": layer,
                   "draft_vocab_size": draft_vocab_size, "norm_before_residual": False,
-                  "target_hidden_size": target["hidden_size"],
+                  "target_hidden_size": target["hidden_size"], "eagle_aux_hidden_state_layer_ids": aux_ids,
                   "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                          "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
                                          "verifier": {"name_or_path": str(target_dir),
                                                       "architectures": target["architectures"]}}}
         prefix = "layers.0"
     else:
-        config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab_size}
+        config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab_size,
+                  "eagle_aux_hidden_state_layer_ids": aux_ids}
         prefix = "midlayer"
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

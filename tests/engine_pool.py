@@ -35,7 +35,8 @@ NEVER = float("inf")
 # their own beside the pool's (tensor parallelism, Ray, the server) run last, each after
 # clearing the pool.
 MODULE_ORDER = [
-    "engine/test_foundation_engine.py", "engine/test_reference_vs_vllm.py",  # tiny_llm, target_llm
+    "engine/test_foundation_engine.py", "engine/test_eagle3_heads.py", "engine/test_reference_vs_vllm.py",
+    # tiny_llm, target_llm
     "engine/test_draft_engine.py",  # target_llm
     "engine/test_beam_engine.py",  # dsbd_tiny_llm, dsbd_target_llm, target_llm, tiny_eos_llm
     "engine/test_beam_logprobs.py", "engine/test_beam_stop_tokens.py",  # dsbd_tiny_llm, dsbd_tiny_spec_llm
