@@ -45,6 +45,7 @@ from benchmarks.machine import machine_facts
 from benchmarks.run import load_prompts
 from benchmarks.scripts import add_prompt_args, write_result
 from vllm_dsbd import pairs
+from vllm_dsbd.config import DRAFT_DTYPES
 from vllm_dsbd.dtypes import add_dtype_argument, resolve_dtype
 
 COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
@@ -103,6 +104,8 @@ def run(args: argparse.Namespace) -> dict:
     rows, baselines = [], {}  # baselines: temperature -> (seconds, tokens, forward seconds) of in-engine decoding
     for engine_index, vocab_size in enumerate(vocab_sizes):
         knobs = {"draft_vocab_size": vocab_size} if vocab_size else {}
+        if args.draft_dtype != "auto":
+            knobs["draft_dtype"] = args.draft_dtype
         llm = LLM(**dsbd_engine_kwargs(target, draft, max(max(gammas), auto_max, 1), args.width, dtype.dtype,
                                        **knobs), disable_log_stats=False)
         # γ 0 runs no draft: the first engine's in-engine rows are every engine's baseline
@@ -118,7 +121,8 @@ def run(args: argparse.Namespace) -> dict:
                      "max_tokens": args.max_tokens, "num_prompts": len(prompts),
                      "prompt_ids": [p.id for p in prompts],
                      "batch": "all prompts" if args.batch == "all" else "1 (prompts one after another)",
-                     "ignore_eos": True, "seed": args.seed, **dtype.as_dict(), "block_size": 32,
+                     "ignore_eos": True, "seed": args.seed, **dtype.as_dict(), "draft_dtype": args.draft_dtype,
+                     "block_size": 32,
                      "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")},
         "machine": machine_facts(),
         "results": rows,
@@ -254,6 +258,8 @@ def main() -> None:
                         help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. 0-1: the worker on both cores of a "
                              "2-core machine; default: the environment's, else vLLM's auto)")
     add_dtype_argument(parser)
+    parser.add_argument("--draft-dtype", default="auto", choices=DRAFT_DTYPES,
+                        help="the draft's dtype (DSBD knob draft_dtype; auto: the target's)")
     parser.add_argument("--out", default="benchmarks/results/dsbd")
     args = parser.parse_args()
     if not args.gammas.startswith("0"):
