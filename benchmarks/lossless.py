@@ -128,11 +128,14 @@ def plot(result: dict, path: Path) -> None:
     labels = [f"{r['dtype']}\nW={r['width']}" for r in rows]
     fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 3.5))
     x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["differ_best_beam"] for r in rows], width=0.4, label="best beam differs")
-    ax.bar([i + 0.2 for i in x], [r["differ_any_beam"] for r in rows], width=0.4, label="any of the W beams differs")
+    for offset, key, label in ((-0.2, "differ_best_beam", "best beam differs"),
+                               (0.2, "differ_any_beam", "any of the W beams differs")):
+        bars = ax.bar([i + offset for i in x], [r[key] for r in rows], width=0.4, label=label)
+        ax.bar_label(bars, labels=[f"{r[key]} of {r['num_prompts']}" for r in rows], fontsize=8)
     ax.set_xticks(list(x), labels)
-    ax.set_ylabel(f"outputs of {s['num_prompts']} prompts")
-    ax.set_title(f"DSBD (γ {s['gamma']}) vs in-engine beam search at T 0, {s['pair']} pair, "
+    ax.set_ylim(0, s["num_prompts"])
+    ax.set_ylabel(f"outputs (of {s['num_prompts']} prompts)")
+    ax.set_title(f"DSBD (γ {s['gamma']}) vs in-engine beam search at T 0, {s['pair']} pair,\n"
                  f"{s['max_tokens']} tokens, {result['machine']['cpu']}", fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
