@@ -85,3 +85,82 @@ def write_tiny_head(target_dir: Path, out_dir: Path, layout: str, draft_vocab_si
     (out_dir / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     save_file(head_weights(target, draft_vocab_size, seed, prefix), str(out_dir / "model.safetensors"))
     return out_dir
+
+
+# ---------------------------------------------------------------------------
+# A target whose next token is a fixed permutation of the current one, and a head that reads it from the features.
+# ---------------------------------------------------------------------------
+LOGIT_SCALE = 3.0  # the right token's logit is ~24, the others ~N(0, 9): one candidate dominates
+
+
+def _permutation(vocab: int, seed: int):
+    import torch
+
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+
+
+def write_permutation_target(target_dir: Path, out_dir: Path, seed: int = 0) -> Path:
+    """The Llama target in ``target_dir`` turned into a bigram model: every layer adds nothing (zero ``o_proj`` and
+    ``down_proj``), embeddings are unit rows, and the untied ``lm_head`` makes token ``perm[t]`` follow token t
+    (``perm`` = :func:`_permutation`). Every aux hidden state at position p is then the embedding of token p."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in target_dir.iterdir():
+        if f.name != "model.safetensors" and f.is_file():
+            shutil.copy(f, out_dir / f.name)
+    w = load_file(str(target_dir / "model.safetensors"))
+    emb = w["model.embed_tokens.weight"]
+    emb = emb / emb.norm(dim=-1, keepdim=True)
+    w["model.embed_tokens.weight"] = emb.contiguous()
+    for name in w:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name] = torch.zeros_like(w[name])
+    perm = _permutation(emb.shape[0], seed)
+    out = torch.empty_like(emb)
+    out[perm] = emb  # row perm[t] is embedding t: the logit of perm[t] after t is the largest
+    w["lm_head.weight"] = (out * LOGIT_SCALE).contiguous()
+    save_file(w, str(out_dir / "model.safetensors"))
+    config = json.loads((target_dir / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    manifest = out_dir / "dsbd-manifest.json"
+    if manifest.exists():
+        manifest.unlink()
+    return out_dir
+
+
+def write_permutation_head(target_dir: Path, out_dir: Path, steps: int = 2, seed: int = 0) -> Path:
+    """A speculators-layout head for :func:`write_permutation_target` (same ``seed``) whose layer adds nothing and
+    whose ``lm_head`` predicts ``perm^steps`` of the token its feature comes from. A head fed the feature of
+    position p - 1 (EAGLE-3's layout) predicts token p + 1 with ``steps=2``; ``steps=1`` predicts token p again."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    head = write_tiny_head(target_dir, out_dir, "speculators", draft_vocab_size=1024, seed=seed)
+    config = json.loads((head / "config.json").read_text())
+    vocab = config["transformer_layer_config"]["vocab_size"]
+    config["draft_vocab_size"] = vocab  # the whole vocabulary: no d2t
+    (head / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    w = load_file(str(head / "model.safetensors"))
+    emb = load_file(str(Path(target_dir) / "model.safetensors"))["model.embed_tokens.weight"]
+    hidden = emb.shape[1]
+    for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
+        w[name] = torch.zeros_like(w[name])
+    fc = torch.zeros(hidden, 3 * hidden)
+    fc[:, :hidden] = torch.eye(hidden)  # the first aux state (id 0: the embedding of the feature's token)
+    w["fc.weight"] = fc
+    perm = _permutation(emb.shape[0], seed)
+    power = torch.arange(emb.shape[0])
+    for _ in range(steps):
+        power = perm[power]
+    out = torch.empty_like(emb)
+    out[power] = emb
+    w["lm_head.weight"] = (out * LOGIT_SCALE).contiguous()
+    del w["d2t"], w["t2d"]
+    save_file(w, str(head / "model.safetensors"))
+    return head

@@ -188,20 +188,74 @@ def test_the_draft_gets_its_own_dtype(tiny_pair, target, draft_dtype, want):
     assert config.speculative_config.draft_model_config.dtype == getattr(torch, want)
 
 
-@pytest.mark.parametrize("layout", ["speculators", "eagle3"])
-def test_an_eagle3_head_is_refused_as_a_dsbd_draft_by_name(tiny_pair, tmp_path, layout):
-    """vLLM reads the head (its own eagle3 method builds a config from it); DSBD refuses it at engine start."""
+def _head_engine_args(tiny_pair, tmp_path, layout="speculators", edit_config=None, edit_weights=None, **spec):
+    """Engine args drafting with a random EAGLE-3 head for the tiny target, its config.json / weights edited."""
+    import json
+
     from eagle3_heads import write_tiny_head  # tests/eagle3_heads.py
+    from safetensors.torch import load_file, save_file
 
     head = write_tiny_head(tiny_pair.target, tmp_path / layout, layout)
-    args = _engine_args(tiny_pair, num_speculative_tokens=2)
-    args.speculative_config = {**args.speculative_config, "method": "eagle3", "model": str(head)}
-    config = args.create_engine_config()
-    assert config.speculative_config.draft_model_config.hf_config.draft_vocab_size == 1024
-    args = _engine_args(tiny_pair, num_speculative_tokens=2)
+    if edit_config is not None:
+        config = json.loads((head / "config.json").read_text())
+        edit_config(config)
+        (head / "config.json").write_text(json.dumps(config))
+    if edit_weights is not None:
+        weights = load_file(str(head / "model.safetensors"))
+        edit_weights(weights)
+        save_file(weights, str(head / "model.safetensors"))
+    args = _engine_args(tiny_pair, num_speculative_tokens=2, **spec)
     args.speculative_config["model"] = str(head)
-    with pytest.raises(ValueError, match=r"is an EAGLE-3 head \((Eagle3LlamaForCausalLM|LlamaForCausalLMEagle3)\); "
-                                         r"DSBD cannot draft with EAGLE-3 heads yet.*'method': 'eagle3'"):
+    return args
+
+
+@pytest.mark.parametrize("layout", ["speculators", "eagle3"])
+def test_an_eagle3_head_is_a_dsbd_draft(tiny_pair, tmp_path, layout):
+    """Both checkpoint layouts load as vLLM's EAGLE-3 head under "dsbd", with a rotary cache as long as the
+    target's context (as vLLM's eagle3 method sizes it)."""
+    def short_rope(config):
+        (config.get("transformer_layer_config") or config)["max_position_embeddings"] = 64
+
+    config = _head_engine_args(tiny_pair, tmp_path, layout, edit_config=short_rope).create_engine_config()
+    head = config.speculative_config.draft_model_config.hf_config
+    assert head.architectures[0] in ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3")
+    assert head.draft_vocab_size == 1024 and head.eagle_aux_hidden_state_layer_ids == [0, 1, 2]
+    assert head.max_position_embeddings == config.model_config.max_model_len == 512
+
+
+def _set_layer_config(key, value):
+    def edit(config):
+        config["transformer_layer_config"][key] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit_config, edit_weights, match", [
+    (lambda c: c.update(target_hidden_size=32), None, r"target hidden states of size 32 \(target_hidden_size\), "
+                                                       r"the target's hidden_size is 64"),
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 3]), None, r"aux layer ids \[0, 1, 3\] must lie "
+                                                                             r"in 0..2"),
+    (lambda c: c.pop("eagle_aux_hidden_state_layer_ids"), None, r"aux layer ids \[-1, 1, 2\] must lie in 0..2.*"
+                                                                 r"set eagle_aux_hidden_state_layer_ids"),
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2]), None, r"its fc takes 3 aux hidden states, but "
+                                                                          r"its aux layer ids \[0, 2\] name 2"),
+    (_set_layer_config("hidden_size", 128), None, r"hidden_size 128 differs from the target's 64, and the head has "
+                                                   r"no embeddings of its own"),
+    (None, lambda w: w.update(d2t=w["d2t"] + 48500), r"d2t map \(1024 entries\) must send each of its "
+                                                        r"draft_vocab_size=1024 ids to a distinct target id in 0..49151"),
+    (None, lambda w: w.pop("d2t"), r"draft_vocab_size=1024 is not the target's vocabulary \(49152\), and the "
+                                    r"checkpoint has no d2t map"),
+])
+def test_a_head_that_does_not_fit_the_target_is_refused_naming_the_mismatch(tiny_pair, tmp_path, edit_config,
+                                                                            edit_weights, match):
+    args = _head_engine_args(tiny_pair, tmp_path, edit_config=edit_config, edit_weights=edit_weights)
+    with pytest.raises(ValueError, match="EAGLE-3 head .*" + match):
+        args.create_engine_config()
+
+
+def test_draft_vocab_size_is_refused_with_an_eagle3_head(tiny_pair, tmp_path):
+    args = _head_engine_args(tiny_pair, tmp_path, draft_vocab_size=500)
+    with pytest.raises(ValueError, match=r"'draft_vocab_size'=500 cuts a draft model's vocabulary, but the draft .* "
+                                         r"is an EAGLE-3 head \(Eagle3LlamaForCausalLM\).*remove the knob"):
         args.create_engine_config()
 
 

@@ -40,7 +40,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_dsbd.config import DSBDConfig
-from vllm_dsbd.engine import beam_step, draft_head, mjsd_step, spec_step
+from vllm_dsbd.engine import beam_step, draft_head, eagle3, mjsd_step, spec_step
 from vllm_dsbd.engine.protocol import PLAN_ATTR, RESULT_ATTR, StepPlan, StepResult, layer_slot
 from vllm_dsbd.engine.stops import StopCheckers
 
@@ -51,6 +51,8 @@ class DSBDModelRunnerMixin:
     _dsbd_plan: StepPlan | None = None
     _dsbd_result: StepResult | None = None
     _dsbd_scheduler_output = None
+    _dsbd_head = False  # the draft is an EAGLE-3 head (engine.eagle3)
+    _dsbd_features: eagle3.FeatureCache | None = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -59,9 +61,14 @@ class DSBDModelRunnerMixin:
         self._dsbd_profile = StepProfile()
         self._dsbd_stops = StopCheckers(self._dsbd_decode)
         if hasattr(self, "drafter"):
+            head = eagle3.head_architecture(self.speculative_config.draft_model_config.hf_config) is not None
+            self._dsbd_head = head
             # vLLM asks the proposer whether its model returns (hidden, aux) tuples by method
-            # name; "dsbd" runs a plain causal LM like "draft_model".
-            self.drafter.model_returns_tuple = lambda: False
+            # name; "dsbd" runs a plain causal LM like "draft_model", or an EAGLE-3 head.
+            self.drafter.model_returns_tuple = lambda: head
+            if head:  # the target exports its aux hidden states (set up by vLLM's load_model) ...
+                self.use_aux_hidden_state_outputs = True
+                self.drafter.pass_hidden_states_to_model = True  # ... and the head's dummy runs get features
 
     def _dsbd_decode(self):
         """The target tokenizer's decode, loaded on the first beam request with stop strings."""
@@ -89,10 +96,26 @@ class DSBDModelRunnerMixin:
             vocab = self.model_config.get_vocab_size()
             ids = draft_head.reduced_vocab_ids(vocab, config.draft_vocab_size, self._dsbd_special_ids())
             draft_head.install_reduced_head(drafter.model, ids)
+        if self._dsbd_head:
+            self._load_eagle3_head()
         self.model.compute_logits = self._shared_node_logits(self.model.compute_logits)
         models = [self.model] + ([drafter.model] if drafter is not None else [])
         for model in models:  # the logits are part of the forward in the step profile
             model.compute_logits = self._dsbd_profile.timed_forward(model.compute_logits)
+
+    def _load_eagle3_head(self) -> None:
+        eagle3.share_target_embeddings(self.drafter.model, self.get_model())
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        if not self._dsbd_head:
+            return
+        gid = max(getattr(self.drafter, "kv_cache_gid", 0), 0)  # the head's layers share the target's group
+        self._dsbd_features_gid = gid
+        block_size = kv_cache_config.kv_cache_groups[gid].kv_cache_spec.block_size
+        self._dsbd_features = eagle3.FeatureCache(
+            kv_cache_config.num_blocks, block_size, self.drafter.model.config.hidden_size,
+            self.drafter.model.model.embed_tokens.weight.dtype, self.device)
 
     def _shared_node_logits(self, compute_logits):
         """The target's head runs once per forest node of a verify step, not once per path through it
@@ -117,12 +140,54 @@ class DSBDModelRunnerMixin:
         return compute
 
     def _model_forward(self, *args, **kwargs):
-        return self._dsbd_profile.timed_forward(super()._model_forward)(*args, **kwargs)
+        forward = super()._model_forward
+        if self._dsbd_features is not None:
+            forward = self._head_forward if self._dsbd_plan is not None and self._dsbd_plan.draft \
+                else self._target_forward_with_features
+        return self._dsbd_profile.timed_forward(forward)(*args, **kwargs)
+
+    def _dsbd_slots(self):
+        """This step's rows: their number (unpadded), KV slots and block table of the head's KV-cache group."""
+        num_rows = self._dsbd_scheduler_output.total_num_scheduled_tokens
+        table = self.input_batch.block_table[self._dsbd_features_gid]
+        return num_rows, table.slot_mapping.gpu[:num_rows], table
+
+    def _target_forward_with_features(self, *args, **kwargs):
+        """A target forward that also stores the head's input feature, fc(aux hidden states), at each row's slot."""
+        hidden, aux = output = super()._model_forward(*args, **kwargs)
+        num_rows, slots, _ = self._dsbd_slots()
+        head = self.drafter.model
+        stacked = torch.cat([a[:num_rows] for a in aux], dim=-1).to(self._dsbd_features.features.dtype)
+        self._dsbd_features.write(slots, head.combine_hidden_states(stacked))
+        return output
+
+    def _head_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
+                      **model_kwargs):
+        """A draft step of an EAGLE-3 head: the row at position p reads the feature of p - 1 of its request;
+        each request whose last token ran stores the head's own feature there (its children read it)."""
+        num_rows, slots, table = self._dsbd_slots()
+        padded = positions.shape[0]
+        req_indices = self.req_indices.gpu[:num_rows]
+        prev = eagle3.previous_slots(positions[:num_rows], req_indices, table.block_table.gpu, table.block_size)
+        if padded > num_rows:
+            prev = torch.cat([prev, prev.new_full((padded - num_rows,), -1)])
+        features = self._dsbd_features.read(prev)
+        normed, own = self.drafter.model(input_ids=input_ids, positions=positions, hidden_states=features,
+                                         inputs_embeds=inputs_embeds)
+        num_reqs = self.input_batch.num_reqs
+        scheduled = self.num_scheduled_tokens.np[:num_reqs]
+        ends = self.input_batch.num_computed_tokens_cpu[:num_reqs] + scheduled
+        last = np.cumsum(scheduled) - 1
+        done = torch.from_numpy(last[ends >= self.input_batch.num_tokens_no_spec[:num_reqs]]).to(slots.device)
+        self._dsbd_features.write(slots[done], own[done])
+        return normed, None
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         plan = self._dsbd_plan = getattr(scheduler_output, PLAN_ATTR, None)
         self._dsbd_scheduler_output = scheduler_output
         self._dsbd_result = None
+        if self._dsbd_features is not None:  # forks copy their tail block's features as vLLM copies its KV
+            self._dsbd_features.copy_blocks(scheduler_output.kv_cache_block_copies)
         self._dsbd_profile.start(plan, scheduler_output.total_num_scheduled_tokens)
         if plan is None or not plan.draft:
             return super().execute_model(scheduler_output, *args, **kwargs)

@@ -134,7 +134,8 @@ def _speculative_method_flag() -> None:
 #            speculative config is built; with a draft, prefix caching is
 #            turned off (a DSBD block may hold target KV without draft KV, or
 #            the other way round). After it: the draft's vocabulary must be
-#            the target's (and not an EAGLE-3 head), γ must fit max_model_len,
+#            the target's (an EAGLE-3 head: its rotary cache spans
+#            max_model_len, no draft_vocab_size), γ must fit max_model_len,
 #            and the draft's ModelConfig takes the `draft_dtype` knob's dtype.
 #   remove-when: vLLM has an extension point for method-specific options and
 #            plugin-provided engine classes.
@@ -151,7 +152,7 @@ def _dsbd_engine_config() -> None:
         _install_dsbd_engine(self, dsbd)
         config = original(self, *args, **kwargs)
         if config.speculative_config is not None:
-            refuse_eagle3_head(config.speculative_config)
+            prepare_eagle3_head(config.speculative_config, dsbd)
             check_same_vocabulary(config.speculative_config)
             set_draft_dtype(config.speculative_config, dsbd.draft_dtype)
             vocab = config.speculative_config.draft_model_config.get_vocab_size()
@@ -264,18 +265,27 @@ def _install_dsbd_engine(args: Any, dsbd: DSBDConfig) -> None:
     args.additional_config = {**(args.additional_config or {}), ADDITIONAL_CONFIG_KEY: dsbd.to_dict()}
 
 
-def refuse_eagle3_head(config: Any) -> None:
-    """An EAGLE-3 head (speculators or original layout) is not a draft DSBD can run yet: it needs the target's
-    hidden states, which a DSBD draft step does not pass (docs/eagle3-design.md). Refused here, by name,
-    instead of the first draft step killing the engine (the head's forward takes no intermediate_tensors)."""
-    archs = getattr(config.draft_model_config.hf_config, "architectures", None) or []
-    head = next((a for a in archs if "eagle3" in a.lower()), None)
-    if head is not None:
+def prepare_eagle3_head(config: Any, dsbd: DSBDConfig) -> None:
+    """An EAGLE-3 head as the draft (``engine.eagle3``): it must fit the target (``check_head``), its rotary cache
+    spans the target's max_model_len, as vLLM's "eagle3" method sizes it, and DSBD's ``draft_vocab_size`` is
+    refused (the head has its own vocabulary)."""
+    from vllm.config.speculative import SpeculativeConfig
+
+    from vllm_dsbd.engine.eagle3 import check_head, head_architecture
+
+    head = head_architecture(config.draft_model_config.hf_config)
+    if head is None:
+        return
+    if dsbd.draft_vocab_size:
         raise ValueError(
-            f"The DSBD draft {config.draft_model_config.model} is an EAGLE-3 head ({head}); DSBD cannot draft "
-            "with EAGLE-3 heads yet. Use a draft model with the target's vocabulary, or run the head with "
-            "vLLM's own greedy speculative decoding: speculative_config={'method': 'eagle3', 'model': ...}."
+            f"DSBD knob 'draft_vocab_size'={dsbd.draft_vocab_size} cuts a draft model's vocabulary, but the draft "
+            f"{config.draft_model_config.model} is an EAGLE-3 head ({head}) with a draft vocabulary of its own "
+            "(its d2t map); remove the knob."
         )
+    check_head(config.draft_model_config.hf_config, config.target_model_config.hf_text_config,
+               config.draft_model_config.model)
+    SpeculativeConfig._maybe_override_draft_max_position_embeddings(
+        config.draft_model_config.hf_config, config.target_model_config.max_model_len)
 
 
 def check_same_vocabulary(config: Any) -> None:

@@ -139,6 +139,47 @@ SUBCLASSED_SHA256 = {
     "vllm.model_executor.layers.logits_processor.LogitsProcessor._apply_head": (
         "8c6519d221de62f8b94190317a8a1fadf17ae4f7c374c03ec95bb0a5a9877e2a"
     ),
+    # engine.eagle3 / the runner with an EAGLE-3 head: aux export set up at load, the head's forward, logits
+    # (d2t) and fc, its dummy runs, the rotary override, and the slot mapping the feature cache mirrors
+    "vllm.config.speculative.SpeculativeConfig._maybe_override_draft_max_position_embeddings": (
+        "a4f9f88dce485354c90a182a0050262282c489fc7ea17ad9b3e5b420b1b2fcf5"
+    ),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._setup_eagle3_aux_hidden_state_outputs": (
+        "6949a4e7f0621b9b117f8920f57ccdb1bd4080045c619349530520f4b77ca1e1"
+    ),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._get_eagle3_aux_layers_from_config": (
+        "2e4fd621ab179c36f6d243022bb873ebf505bd7c67b5357590f59e29b3078e2a"
+    ),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward": (
+        "a8f98588a4656ef66b79d7c763ab95e763b54b8d5b0af6ddde3ee85f02453113"
+    ),
+    "vllm.v1.worker.cpu_model_runner.CPUModelRunner.load_model": (
+        "270bdfc6670d8cba1cd407cb903f5ef9dc94a1ea896ebf27bfeca2c8da2b1470"
+    ),
+    "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer.dummy_run": (
+        "5e2e533fb829b33490c462ee2041d66dbc02ca5ed306cb4ffa90d35fe494c1f2"
+    ),
+    "vllm.model_executor.models.llama_eagle3.LlamaModel.__init__": (
+        "fecf0e5cca40dfd5877998bf0300141fa78bfed85fc2f0bd978d49786f0c010b"
+    ),
+    "vllm.model_executor.models.llama_eagle3.LlamaModel.forward": (
+        "504d2a14ea271ce67628a0f088ed6acf61b5984628d2a81900ad9ae2965e016d"
+    ),
+    "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM.compute_logits": (
+        "0af3f208eb38b6ef255272e053f9e3d434c6b643bff314a2bd672f06668e3436"
+    ),
+    "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM.combine_hidden_states": (
+        "a5eedb3b0f5b6e959e195173f5b5f9bf74b38fde01a340b9c96d8659eb7d18e1"
+    ),
+    "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM.load_weights": (
+        "58eb0277207bf0100ea82d56518d024f4023149276f9a90abeff05b444fb3c2f"
+    ),
+    "vllm.model_executor.models.interfaces.EagleModelMixin._maybe_add_hidden_state": (
+        "95b3f566fbd129d791621a3d589fc87a7f2f5b8e024e339a6879aa04677812ee"
+    ),
+    "vllm.v1.worker.block_table.BlockTable.compute_slot_mapping": (
+        "1090515a52c58b28bce5fb3f80074899563503a411e31b89ecfab07940ae8e4e"
+    ),
 }
 
 def source_sha256(fn: Any) -> str:

@@ -1,0 +1,150 @@
+"""DSBD and MJSD drafting with EAGLE-3 heads (``engine.eagle3``) in real engines on CPU.
+
+Random heads (tests/eagle3_heads.py, a 1,024-token draft vocabulary) check exactness: T = 0 is
+vLLM's beam search token for token, fixed-width T > 0 is beam sampling, MJSD at T = 0 is greedy,
+mixed batches equal solo runs, and no KV leaks. A head built to be right (a bigram target whose
+next token is a permutation of the current one, and a head that reads that token from the
+target's features) checks that the head gets the features EAGLE-3 defines: every draft after a
+prompt's first is accepted.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from beam_checks import (  # tests/engine/beam_checks.py
+    PROMPTS, assert_distributed_as_beam_sampling, assert_kv_freed_after_finish_and_abort, beam_search, engine_metric,
+    start_spec_llm)
+
+pytestmark = pytest.mark.engine
+
+PICKLE = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc with a function (the probe below)
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory, tiny_eos_target):
+    from eagle3_heads import LAYOUTS, write_tiny_head  # tests/eagle3_heads.py
+
+    root = tmp_path_factory.mktemp("eagle3-heads")
+    return {layout: write_tiny_head(tiny_eos_target, root / layout, layout) for layout in LAYOUTS}
+
+
+@pytest.fixture
+def head_llm(engine_pool, tiny_eos_target, heads):
+    """A speculative DSBD engine (γ <= 3, W <= 8) drafting with a random speculators-layout head."""
+    return engine_pool.get("head_llm", lambda: start_spec_llm(tiny_eos_target, heads["speculators"], PICKLE))
+
+
+def _beams(width, gamma, max_tokens, temperature=0.0, **kw):
+    from vllm import SamplingParams
+
+    extra = {"beam_width": width, "num_speculative_tokens": gamma, **kw.pop("extra", {})}
+    return SamplingParams(n=width, temperature=temperature, max_tokens=max_tokens, logprobs=0, extra_args=extra, **kw)
+
+
+def _assert_same_search(want, got):
+    for w, g in zip(want, got, strict=True):
+        prompt_len = len(g.prompt_token_ids)
+        assert [list(c.token_ids) for c in g.outputs] == [s.tokens[prompt_len:] for s in w.sequences]
+        assert [c.cumulative_logprob for c in g.outputs] == pytest.approx([s.cum_logprob for s in w.sequences],
+                                                                          abs=1e-3)
+
+
+def _shared_embeddings(worker) -> dict:
+    """Runs in the worker: does the head use the target's embedding table, and how wide are its logits."""
+    runner = worker.model_runner
+    head, target = runner.drafter.model, runner.get_model()
+    logits = head.compute_logits(torch.zeros((1, head.config.hidden_size)))
+    return {"same": head.model.embed_tokens.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr(),
+            "finite": int(torch.isfinite(logits).sum()), "width": logits.shape[-1],
+            "features": tuple(runner._dsbd_features.features.shape)}
+
+
+def test_a_head_shares_the_target_embeddings_and_drafts_over_its_own_vocabulary(head_llm, monkeypatch):
+    import cloudpickle
+
+    monkeypatch.setenv(*next(iter(PICKLE.items())))
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker cannot import this test module
+    (probe,) = head_llm.collective_rpc(_shared_embeddings)
+    assert probe["same"] and probe["width"] == 49152 and probe["finite"] == 1024
+    assert probe["features"][1] == 64 and probe["features"][0] % 16 == 0  # one row per KV slot
+
+
+@pytest.mark.parametrize("width, gamma", [(1, 2), (2, 1), (4, 3), (8, 2)])
+def test_lossless_speculative_beam_search_with_a_head(head_llm, tiny_eos_llm, width, gamma):
+    want = beam_search(tiny_eos_llm, PROMPTS, width, 10)
+    _assert_same_search(want, head_llm.generate(PROMPTS, _beams(width, gamma, 10), use_tqdm=False))
+
+
+def test_lossless_with_a_head_in_the_original_eagle3_layout(engine_pool, tiny_eos_target, tiny_eos_llm, heads):
+    llm = engine_pool.get("head_eagle3_layout_llm", lambda: start_spec_llm(tiny_eos_target, heads["eagle3"], {}))
+    want = beam_search(tiny_eos_llm, PROMPTS, 4, 10)
+    _assert_same_search(want, llm.generate(PROMPTS, _beams(4, 2, 10), use_tqdm=False))
+
+
+def test_fixed_width_dsbd_with_a_head_is_distributed_as_beam_sampling(head_llm, tiny_eos_target):
+    """2,000 seeded requests (γ = 2, T = 1, top-k 3 on the joint) drafted from a 1,024-token vocabulary against
+    exact enumeration of beam sampling; the same samples reject a planted bug (uniform parent weights)."""
+    params = [_beams(2, 2, 3, temperature=1.0, top_k=3, ignore_eos=True, seed=seed, extra={"fixed_width": True})
+              for seed in range(2000)]
+    outs = head_llm.generate(["The capital of France is"] * len(params), params, use_tqdm=False)
+    assert_distributed_as_beam_sampling(outs, tiny_eos_target, 2, 3, 3)
+
+
+def test_temperature_zero_mjsd_with_a_head_is_greedy(head_llm, tiny_eos_llm):
+    from vllm import SamplingParams
+
+    want = tiny_eos_llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    mjsd = SamplingParams(temperature=0.0, max_tokens=24,
+                          extra_args={"decoder": "mjsd", "beam_width": 4, "num_speculative_tokens": 3, "mjsd_tau": 0.5})
+    got = head_llm.generate(PROMPTS, mjsd, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_mixed_batch_of_head_drafted_dsbd_mjsd_and_plain_requests(head_llm):
+    from vllm import SamplingParams
+
+    jobs = [(PROMPTS[0], _beams(2, 3, 8)), (PROMPTS[1], _beams(4, 1, 8, temperature=0.8, seed=4)),
+            (PROMPTS[2], _beams(3, 0, 6)),
+            (PROMPTS[1], SamplingParams(temperature=1.0, seed=2, max_tokens=8,
+                                        extra_args={"decoder": "mjsd", "beam_width": 2, "num_speculative_tokens": 2})),
+            (PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=8)),
+            (PROMPTS[0], SamplingParams(temperature=1.0, seed=7, max_tokens=8))] * 2
+    together = head_llm.generate([p for p, _ in jobs], [s for _, s in jobs], use_tqdm=False)
+    for (prompt, params), out in zip(jobs, together):
+        alone = head_llm.generate([prompt], params, use_tqdm=False)[0]
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
+
+
+def test_no_kv_blocks_leak_with_a_head(head_llm):
+    assert_kv_freed_after_finish_and_abort(head_llm, _beams(3, 3, 30, temperature=0.9, seed=1),
+                                           lambda i: _beams(4, 3, 200, temperature=1.0, seed=i), "abort-head")
+
+
+@pytest.fixture
+def permutation_llm(engine_pool, tiny_pair, tmp_path_factory):
+    """A DSBD engine on a bigram target (next token = a permutation of the current one) with a head that
+    predicts it from the feature of the position before (as EAGLE-3 lays out its inputs)."""
+    from eagle3_heads import write_permutation_head, write_permutation_target  # tests/eagle3_heads.py
+
+    def start():
+        root = tmp_path_factory.mktemp("permutation")
+        target = write_permutation_target(tiny_pair.target, root / "target")
+        return start_spec_llm(target, write_permutation_head(target, root / "head"), {}, gamma=2)
+
+    return engine_pool.get("permutation_llm", start)
+
+
+def test_a_head_reads_the_feature_of_the_position_before_each_token(permutation_llm):
+    """W = 1, γ = 1: each iteration drafts one token from the last token and the target's feature of the one
+    before it. After a prompt, whose last token does not follow its previous one, every draft is right: the
+    head is wrong only in each prompt's first iteration (a zero or misplaced feature is never right)."""
+    names = {k: f"vllm:spec_decode_num_{k}" for k in ("drafts", "draft_tokens", "accepted_tokens")}
+    before = {k: engine_metric(permutation_llm, n) for k, n in names.items()}
+    outs = permutation_llm.generate(PROMPTS, _beams(1, 1, 16, ignore_eos=True), use_tqdm=False)
+    after = {k: engine_metric(permutation_llm, n) - before[k] for k, n in names.items()}
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    assert after["draft_tokens"] >= 8 * len(PROMPTS)
+    assert after["accepted_tokens"] == after["draft_tokens"] - len(PROMPTS)
