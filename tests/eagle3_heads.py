@@ -164,3 +164,19 @@ def write_permutation_head(target_dir: Path, out_dir: Path, steps: int = 2, seed
     del w["d2t"], w["t2d"]
     save_file(w, str(head / "model.safetensors"))
     return head
+
+
+def fake_teacher_shards(data_dir: Path, num_shards: int = 2, rows: int = 10, seed: int = 0) -> Path:
+    """``draft.teacher`` shards of random prompts and answers (answers from the 2,000 lowest ids)."""
+    import torch
+
+    from vllm_dsbd.draft import teacher
+
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    for s in range(num_shards):
+        shard = [{"prompt": torch.randint(0, 49152, (10,), generator=gen).tolist(),
+                  "answer": torch.randint(0, 2000, (30,), generator=gen).tolist()} for _ in range(rows)]
+        torch.save({"index": s, "seed": seed, "num_tokens": 30 * rows, "rows": shard}, teacher.shard_path(data_dir, s))
+    return data_dir

@@ -53,6 +53,12 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
     return evaluate.run(args)
 
 
+def _cmd_train_drafter(args: argparse.Namespace) -> int:
+    from vllm_dsbd.draft import train_drafter
+
+    return train_drafter.run(args)
+
+
 def _cmd_dtype(args: argparse.Namespace) -> int:
     choice = machine_dtype()
     print(choice.dtype)
@@ -110,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     ed = sub.add_parser("eval-draft", help="measure a draft against its target (writes eval.json)")
     evaluate.add_arguments(ed)
     ed.set_defaults(func=_cmd_eval_draft)
+
+    from vllm_dsbd.draft import train_drafter
+
+    td = sub.add_parser("train-drafter", help="train an EAGLE-3 head for a pair's target (speculators format)")
+    train_drafter.add_arguments(td)
+    td.set_defaults(func=_cmd_train_drafter)
     return parser
 
 

@@ -123,6 +123,25 @@ def test_no_kv_blocks_leak_with_a_head(head_llm):
                                            lambda i: _beams(4, 3, 200, temperature=1.0, seed=i), "abort-head")
 
 
+def test_a_head_trained_here_drafts_losslessly(engine_pool, tiny_eos_target, tiny_eos_llm, tmp_path_factory):
+    """A head from ``vllm-dsbd train-drafter``'s code (a few steps on random teacher rows, exported in the
+    speculators format without embeddings) loads as a DSBD draft; T 0 stays vLLM's beam search."""
+    from eagle3_heads import fake_teacher_shards  # tests/eagle3_heads.py
+
+    from vllm_dsbd.draft import eagle3_head
+
+    def start():
+        root = tmp_path_factory.mktemp("trained-head")
+        settings = eagle3_head.HeadSettings(aux_ids=(0, 1, 2), draft_vocab_size=512, tokens=300, batch_tokens=100)
+        eagle3_head.train(settings, tiny_eos_target, fake_teacher_shards(root / "data"), root / "ck", progress=False)
+        return start_spec_llm(tiny_eos_target, eagle3_head.export(settings, tiny_eos_target, root / "ck", root / "head"),
+                              {})
+
+    llm = engine_pool.get("trained_head_llm", start)
+    want = beam_search(tiny_eos_llm, PROMPTS, 4, 10)
+    _assert_same_search(want, llm.generate(PROMPTS, _beams(4, 2, 10), use_tqdm=False))
+
+
 @pytest.fixture
 def permutation_llm(engine_pool, tiny_pair, tmp_path_factory):
     """A DSBD engine on a bigram target (next token = a permutation of the current one) with a head that

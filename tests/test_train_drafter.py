@@ -1,0 +1,77 @@
+"""Training EAGLE-3 heads (``vllm_dsbd.draft.eagle3_head``) on the tiny target: features, resumption, export.
+(A trained head drafting in an engine: tests/engine/test_dsbd_eagle3.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eagle3_heads import fake_teacher_shards as fake_shards  # tests/eagle3_heads.py
+
+from vllm_dsbd.draft import eagle3_head
+
+
+SETTINGS = eagle3_head.HeadSettings(aux_ids=(0, 1, 2), draft_vocab_size=512, tokens=500, batch_tokens=100, warmup=2)
+
+
+def test_target_features_are_vllms_aux_states_and_the_last_state_before_the_norm(tiny_pair):
+    from transformers import AutoModelForCausalLM
+
+    features = eagle3_head.TargetFeatures(tiny_pair.target, (2, 0, 1))
+    ids = [5, 17, 300, 4000, 12]
+    aux, last = features(ids)
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32)
+    out = model(torch.tensor([ids]), output_hidden_states=True)
+    h = 64
+    assert torch.equal(aux[:, :h], out.hidden_states[0][0]) and torch.equal(aux[:, h:2 * h], out.hidden_states[1][0])
+    assert torch.equal(aux[:, 2 * h:], last)  # id 2 = L: the last layer's output, before the final norm
+    assert torch.allclose(model.lm_head(model.model.norm(last)), out.logits[0], atol=1e-5)
+
+
+def test_rows_pair_each_token_with_the_feature_before_it():
+    aux, last = torch.arange(12.).reshape(4, 3), torch.ones(4, 2)
+    row = eagle3_head.example([7, 8, 9, 10], 2, aux, last)
+    assert row["input_ids"].tolist() == [[7, 8, 9, 10]] and row["position_ids"].tolist() == [[0, 1, 2, 3]]
+    assert torch.equal(row["hidden_states"][0], torch.cat([torch.zeros(1, 3), aux[:3]]))
+    assert row["loss_mask"].tolist() == [[False, True, True, True]]  # rows 1..3 predict answer tokens (and after)
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_answer_tokens():
+    rows = [{"answer": [5] * 9 + [7] * 5 + [3]}, {"answer": [7] * 5 + [11] * 2}]
+    d2t, t2d = eagle3_head.draft_vocabulary(rows, 20, 3)
+    assert (torch.arange(3) + d2t).tolist() == [5, 7, 11] and t2d.nonzero().flatten().tolist() == [5, 7, 11]
+
+
+def test_training_learns_and_resumes_to_the_same_weights(tiny_pair, tmp_path):
+    data = fake_shards(tmp_path / "data")
+    full = eagle3_head.train(SETTINGS, tiny_pair.target, data, tmp_path / "a", progress=False)
+    assert full["tokens_seen"] >= 500 and full["step"] == 5
+    assert full["log"][-1]["loss"] < full["log"][0]["loss"]
+    part = eagle3_head.train(SETTINGS, tiny_pair.target, data, tmp_path / "b", stop_after=2, progress=False)
+    assert part["step"] == 2
+    resumed = eagle3_head.train(SETTINGS, tiny_pair.target, data, tmp_path / "b", progress=False)
+    assert resumed["step"] == full["step"]
+    assert all(torch.equal(full["model"][k], resumed["model"][k]) for k in full["model"])
+    other = eagle3_head.HeadSettings(**{**SETTINGS.__dict__, "lr": 0.5})
+    with pytest.raises(ValueError, match="other settings"):
+        eagle3_head.train(other, tiny_pair.target, data, tmp_path / "b", progress=False)
+
+
+def test_an_exported_head_is_a_speculators_checkpoint_without_embeddings(tiny_pair, tmp_path):
+    from safetensors import safe_open
+
+    data = fake_shards(tmp_path / "data")
+    eagle3_head.train(SETTINGS, tiny_pair.target, data, tmp_path / "ck", stop_after=1, progress=False)
+    out = eagle3_head.export(SETTINGS, tiny_pair.target, tmp_path / "ck", tmp_path / "head", verifier_name="tiny")
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 512
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2] and config["norm_before_residual"] is False
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16
+        d2t = f.get_tensor("d2t")
+    assert "embed_tokens.weight" not in keys and {"d2t", "t2d", "fc.weight", "lm_head.weight"} <= keys
+    assert ((torch.arange(512) + d2t) < 2000).all()  # the answers' tokens

@@ -1,0 +1,266 @@
+"""Training an EAGLE-3 head for a target on CPU (``vllm-dsbd train-drafter``), with the speculators library.
+
+The head is speculators' own ``Eagle3DraftModel`` (one Llama decoder layer,
+``fc`` over three aux hidden states of the target, the target's lm_head rows of
+a draft vocabulary), trained with its own loss (KL to the target's distribution
+over the draft vocabulary) and unrolled draft steps ("training-time test"), and
+saved in its checkpoint format, which vLLM and vllm-dsbd load. What this module
+adds is what speculators does through a GPU data pipeline: the target's
+features computed here with Hugging Face transformers, and a small resumable
+CPU training loop. Data: the target's own answers (``draft.teacher`` shards,
+made with vLLM).
+
+Rows follow DSBD's layout (docs/eagle3.md): row p holds token p and the
+feature of position p - 1 (zeros at p = 0), at position p, and learns the
+target's distribution after token p. speculators' ``shift_batch`` layout is the
+same without the position-0 row.
+
+speculators 0.9.0 is installed with ``--no-deps`` (scripts/setup.sh): its
+declared torchvision / torchaudio would replace the CPU torch. On CPU it needs
+``sdpa`` attention (its flex attention has no CPU backward) and the eager loss
+(the default fused loss is a Triton kernel).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ATTENTION = "sdpa"
+CHECKPOINT = "head-checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class HeadSettings:
+    """What shapes a training run; a resumed run must have the same."""
+
+    aux_ids: tuple[int, ...]
+    draft_vocab_size: int = 8192
+    ttt_steps: int = 3  # unrolled draft steps (>= the γ to use)
+    lr: float = 1e-3
+    warmup: int = 20
+    batch_tokens: int = 2048  # about, per optimiser step (whole sequences)
+    max_len: int = 768  # tokens of prompt + answer kept per sequence
+    tokens: int = 500_000  # answer tokens to train on (passes over the data as needed)
+    seed: int = 0
+    bf16: bool = True  # bf16 autocast (fp32 weights and optimiser)
+
+
+def default_aux_ids(num_layers: int) -> tuple[int, ...]:
+    """vLLM's default (2, L // 2, L - 3), or (0, L // 2, L) for targets too shallow for it."""
+    ids = (2, num_layers // 2, num_layers - 3)
+    return ids if num_layers >= 6 else (0, num_layers // 2, num_layers)
+
+
+def _speculators():
+    try:
+        import speculators  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError("training EAGLE-3 heads needs the speculators library: "
+                           "pip install --no-deps speculators==0.9.0 (scripts/setup.sh does)") from e
+
+
+def draft_vocabulary(rows: list[dict], vocab_size: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d): the ``size`` most frequent tokens of the answers (speculators' rule)."""
+    _speculators()
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in rows:
+        counts += torch.bincount(torch.as_tensor(r["answer"], dtype=torch.long), minlength=vocab_size)
+    freq = {i: int(c) for i, c in enumerate(counts.tolist()) if c}
+    return build_vocab_mappings_from_distribution(freq, size, vocab_size)
+
+
+def build_head(target_dir: Path, settings: HeadSettings, d2t: torch.Tensor, t2d: torch.Tensor):
+    """speculators' Eagle3DraftModel for the target, its frozen parts (embeddings, lm_head rows) from the target."""
+    _speculators()
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import AutoConfig, LlamaConfig
+
+    target = AutoConfig.from_pretrained(target_dir)
+    layer = LlamaConfig(
+        vocab_size=target.vocab_size, hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=target.num_key_value_heads,
+        head_dim=getattr(target, "head_dim", None) or target.hidden_size // target.num_attention_heads,
+        hidden_act=target.hidden_act, max_position_embeddings=target.max_position_embeddings,
+        rms_norm_eps=target.rms_norm_eps, tie_word_embeddings=False, attention_bias=False)
+    rope = dict(getattr(target, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+    rope.pop("partial_rotary_factor", None)
+    layer.rope_parameters = rope
+    layer._attn_implementation = ATTENTION  # before the model is built; not saved
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=settings.draft_vocab_size, norm_before_residual=False,
+        eagle_aux_hidden_state_layer_ids=list(settings.aux_ids),
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=settings.ttt_steps)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=str(target_dir), architectures=list(target.architectures or []))))
+    torch.manual_seed(settings.seed)
+    head = Eagle3DraftModel(config)
+    head.load_vocab_mappings(t2d, d2t)
+    head.load_verifier_weights()  # embed_tokens, lm_head (rows of t2d), final norm, from the target's safetensors
+    return head
+
+
+class TargetFeatures:
+    """The target's aux hidden states (vLLM's ids: id i is the residual stream entering layer i, id L the last
+    layer's output before the final norm) and its last pre-norm state, from Hugging Face transformers."""
+
+    def __init__(self, target_dir: Path, aux_ids: tuple[int, ...]):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        self.aux_ids = tuple(sorted(set(aux_ids)))  # vLLM exports them in ascending order
+
+    @torch.no_grad()
+    def __call__(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        layers = self.model.model.layers
+        captured = {}
+        hook = layers[-1].register_forward_hook(lambda m, i, o: captured.setdefault("last", o[0] if isinstance(o, tuple)
+                                                                                    else o))
+        try:
+            out = self.model(torch.tensor([ids]), output_hidden_states=True)
+        finally:
+            hook.remove()
+        last = captured["last"][0]
+        aux = [last if i == len(layers) else out.hidden_states[i][0] for i in self.aux_ids]
+        return torch.cat(aux, dim=-1), last
+
+
+def example(ids: list[int], prompt_len: int, aux: torch.Tensor, last: torch.Tensor) -> dict:
+    """One training row in DSBD's layout (a batch of one, as speculators' forward takes)."""
+    n = len(ids)
+    features = torch.cat([aux.new_zeros((1, aux.shape[-1])), aux[:-1]])  # row p: the feature of p - 1
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[max(prompt_len - 1, 0):] = True  # rows whose next token is an answer token (and the one after)
+    return {"input_ids": torch.tensor([ids]), "hidden_states": features[None], "verifier_last_hidden_states": last[None],
+            "loss_mask": mask[None], "position_ids": torch.arange(n)[None],
+            "document_ids": torch.zeros((1, n), dtype=torch.long)}
+
+
+def training_rows(data_dir: Path, max_len: int) -> list[dict]:
+    """Every (prompt, answer) row of the teacher shards in ``data_dir``, in shard order, cut to ``max_len``."""
+    from vllm_dsbd.draft import teacher
+
+    rows, i = [], 0
+    while teacher.shard_path(data_dir, i).exists():
+        for r in torch.load(teacher.shard_path(data_dir, i), weights_only=False)["rows"]:
+            ids = (list(r["prompt"]) + list(r["answer"]))[:max_len]
+            if len(ids) > len(r["prompt"]):
+                rows.append({"ids": ids, "prompt_len": len(r["prompt"]), "answer": r["answer"]})
+        i += 1
+    if not rows:
+        raise ValueError(f"no teacher shards in {data_dir}: run the 'teach' stage first")
+    return rows
+
+
+def _lr(settings: HeadSettings, step: int, total: int) -> float:
+    if step < settings.warmup:
+        return settings.lr * (step + 1) / settings.warmup
+    frac = min(1.0, (step - settings.warmup) / max(1, total - settings.warmup))
+    return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Path, stop_after: int | None = None,
+          progress: bool = True) -> dict:
+    """Train (or resume) until ``settings.tokens`` answer tokens; a checkpoint after every optimiser step
+    group of ``ckpt_every`` steps and at the end. Returns the final checkpoint."""
+    from speculators.losses import resolve_loss_config
+    from tqdm import tqdm
+
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / CHECKPOINT
+    rows = training_rows(data_dir, settings.max_len)
+    state = torch.load(path, weights_only=False) if path.exists() else None
+    if state is not None and state["settings"] != asdict(settings):
+        raise ValueError(f"{path} was trained with other settings {state['settings']}; use another --work-dir")
+    vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
+    if state is None:
+        d2t, t2d = draft_vocabulary(rows, vocab, settings.draft_vocab_size)
+    else:
+        d2t, t2d = state["d2t"], state["t2d"]
+    head = build_head(target_dir, settings, d2t, t2d)
+    trainable = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=settings.lr)
+    step, cursor, seen = 0, 0, 0
+    if state is not None:
+        head.load_state_dict(state["model"], strict=False)
+        opt.load_state_dict(state["optimizer"])
+        step, cursor, seen = state["step"], state["cursor"], state["tokens_seen"]
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(settings.seed)).tolist()
+    features = TargetFeatures(target_dir, settings.aux_ids)
+    loss_config = resolve_loss_config("kl_div", "eager")
+    total_steps = max(1, settings.tokens // settings.batch_tokens)
+    log = list(state["log"]) if state is not None else []
+    bar = tqdm(total=settings.tokens, initial=seen, desc="train head", unit="tok", unit_scale=True, disable=not progress)
+
+    def save():
+        tmp = path.with_suffix(".tmp")
+        torch.save({"settings": asdict(settings), "step": step, "cursor": cursor, "tokens_seen": seen, "d2t": d2t,
+                    "t2d": t2d, "model": {k: v for k, v in head.state_dict().items()
+                                          if k in {n for n, p in head.named_parameters() if p.requires_grad}},
+                    "optimizer": opt.state_dict(), "log": log}, tmp)
+        tmp.replace(path)
+
+    head.train()
+    steps_run = 0
+    while seen < settings.tokens and (stop_after is None or steps_run < stop_after):
+        for group in opt.param_groups:
+            group["lr"] = _lr(settings, step, total_steps)
+        batch, batch_tokens = [], 0
+        while batch_tokens < settings.batch_tokens:
+            r = rows[order[cursor % len(rows)]]
+            cursor += 1
+            batch.append(r)
+            batch_tokens += len(r["ids"]) - r["prompt_len"]
+        opt.zero_grad()
+        sums = torch.zeros(settings.ttt_steps)
+        for r in batch:
+            aux, last = features(r["ids"])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
+                _, loss, metrics = head(**example(r["ids"], r["prompt_len"], aux, last), ttt_steps=settings.ttt_steps,
+                                        ttt_step_loss_decay=0.8, loss_config=loss_config)
+            (loss * (len(r["ids"]) - r["prompt_len"]) / batch_tokens).backward()
+            sums += torch.tensor([float(metrics[f"full_acc_{k}_sum"] / metrics[f"full_acc_{k}_total"].clamp_min(1))
+                                  for k in range(settings.ttt_steps)])
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        step, steps_run, seen = step + 1, steps_run + 1, seen + batch_tokens
+        log.append({"step": step, "tokens": seen, "loss": float(loss),
+                    "acc": [round(float(a), 4) for a in sums / len(batch)]})
+        bar.update(batch_tokens)
+        bar.set_postfix(loss=f"{float(loss):.3f}", acc1=f"{float(sums[0]) / len(batch):.3f}")
+        if step % 10 == 0:
+            save()
+    save()
+    bar.close()
+    return torch.load(path, weights_only=False)
+
+
+def export(settings: HeadSettings, target_dir: Path, ckpt_dir: Path, out_dir: Path, verifier_name: str | None = None,
+           dtype: torch.dtype = torch.bfloat16) -> Path:
+    """The trained head in speculators' format, without the target's embeddings (vLLM shares them)."""
+    state = torch.load(Path(ckpt_dir) / CHECKPOINT, weights_only=False)
+    head = build_head(target_dir, settings, state["d2t"], state["t2d"])
+    head.load_state_dict(state["model"], strict=False)
+    if verifier_name:
+        head.config.speculators_config.verifier.name_or_path = verifier_name
+    weights = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in head.state_dict().items()
+               if k != "embed_tokens.weight" and not k.startswith("verifier_")}
+    out_dir = Path(out_dir)
+    head.save_pretrained(out_dir, state_dict=weights)
+    config = json.loads((out_dir / "config.json").read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config.pop("auto_map", None)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "config.py").unlink(missing_ok=True)
+    return out_dir

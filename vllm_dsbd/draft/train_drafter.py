@@ -1,0 +1,62 @@
+"""The ``vllm-dsbd train-drafter`` command: an EAGLE-3 head for a pair's target (``draft.eagle3_head``).
+
+Stages (``--stage``; ``all`` runs them in order, each resumable): ``teach`` (the
+target answers training prompts with vLLM: ``draft.teacher`` shards), ``train``
+(features from the target, speculators' head, checkpoints in the work folder),
+``export`` (speculators' format in ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pair", default="default", help="the pair whose target the head drafts for")
+    p.add_argument("--out", required=True, help="folder for the head (speculators format)")
+    p.add_argument("--work-dir", default=None, help="teacher data and checkpoints (default: the model cache)")
+    p.add_argument("--stage", choices=("all", "teach", "train", "export"), default="all")
+    p.add_argument("--tokens", type=int, default=500_000, help="answer tokens to train on")
+    p.add_argument("--teach-tokens", type=int, default=None, help="answer tokens to generate (default: --tokens)")
+    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps (at least the γ you will use)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--stop-after", type=int, default=None, help="optimiser steps to run, then stop (resumable)")
+    p.add_argument("--cache-dir", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+    from tqdm import tqdm
+
+    from vllm_dsbd import models, pairs
+    from vllm_dsbd.draft import eagle3_head, teacher
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = Path(pairs.pair_paths(args.pair, args.cache_dir).target)
+    work = Path(args.work_dir) if args.work_dir else models.cache_root(args.cache_dir) / "eagle3-work"
+    data = work / f"teacher-{args.pair}-seed{args.seed}"
+    layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    settings = eagle3_head.HeadSettings(
+        aux_ids=eagle3_head.default_aux_ids(layers), draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
+        lr=args.lr, batch_tokens=args.batch_tokens, tokens=args.tokens, seed=args.seed)
+    ckpt = work / f"head-{args.pair}-seed{args.seed}-v{args.draft_vocab_size}-ttt{args.ttt_steps}-tok{args.tokens}"
+    if args.stage in ("all", "teach"):
+        with tqdm(total=args.teach_tokens or args.tokens, desc="teacher", unit="tok", unit_scale=True) as bar:
+            n = teacher.generate_shards(target, data, tokens=args.teach_tokens or args.tokens, seed=args.seed,
+                                        cfg=teacher.TeacherConfig(), progress=bar)
+        print(f"teacher data: {n} shards in {data}")
+    if args.stage in ("all", "train"):
+        state = eagle3_head.train(settings, target, data, ckpt, stop_after=args.stop_after)
+        print(f"head checkpoint: step {state['step']}, {state['tokens_seen']} tokens, in {ckpt}")
+    if args.stage in ("all", "export"):
+        out = eagle3_head.export(settings, target, ckpt, Path(args.out), verifier_name=target.name)
+        print(f"head written to {out}")
+    return 0
