@@ -171,8 +171,9 @@ def _lr(settings: HeadSettings, step: int, total: int) -> float:
 
 def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Path, stop_after: int | None = None,
           progress: bool = True) -> dict:
-    """Train (or resume) until ``settings.tokens`` answer tokens; a checkpoint after every optimiser step
-    group of ``ckpt_every`` steps and at the end. Returns the final checkpoint."""
+    """Train (or resume) until ``settings.tokens`` answer tokens (``stop_after``: at most that many optimiser steps
+    in this call); a checkpoint every 10 steps and at the end. Returns the final checkpoint. Each step's log row
+    has its token-weighted loss and the mean first-to-last unrolled step top-1 accuracy."""
     from speculators.losses import resolve_loss_config
     from tqdm import tqdm
 
@@ -223,22 +224,24 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
             batch.append(r)
             batch_tokens += len(r["ids"]) - r["prompt_len"]
         opt.zero_grad()
-        sums = torch.zeros(settings.ttt_steps)
+        sums, batch_loss = torch.zeros(settings.ttt_steps), 0.0
         for r in batch:
             aux, last = features(r["ids"])
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
                 _, loss, metrics = head(**example(r["ids"], r["prompt_len"], aux, last), ttt_steps=settings.ttt_steps,
                                         ttt_step_loss_decay=0.8, loss_config=loss_config)
-            (loss * (len(r["ids"]) - r["prompt_len"]) / batch_tokens).backward()
+            weighted = loss * (len(r["ids"]) - r["prompt_len"]) / batch_tokens
+            weighted.backward()
+            batch_loss += float(weighted)
             sums += torch.tensor([float(metrics[f"full_acc_{k}_sum"] / metrics[f"full_acc_{k}_total"].clamp_min(1))
                                   for k in range(settings.ttt_steps)])
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         opt.step()
         step, steps_run, seen = step + 1, steps_run + 1, seen + batch_tokens
-        log.append({"step": step, "tokens": seen, "loss": float(loss),
+        log.append({"step": step, "tokens": seen, "loss": round(batch_loss, 4),
                     "acc": [round(float(a), 4) for a in sums / len(batch)]})
         bar.update(batch_tokens)
-        bar.set_postfix(loss=f"{float(loss):.3f}", acc1=f"{float(sums[0]) / len(batch):.3f}")
+        bar.set_postfix(loss=f"{batch_loss:.3f}", acc1=f"{float(sums[0]) / len(batch):.3f}")
         if step % 10 == 0:
             save()
     save()
