@@ -204,11 +204,12 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
     log = list(state["log"]) if state is not None else []
     bar = tqdm(total=settings.tokens, initial=seen, desc="train head", unit="tok", unit_scale=True, disable=not progress)
 
+    trainable_names = {n for n, p in head.named_parameters() if p.requires_grad}
+
     def save():
         tmp = path.with_suffix(".tmp")
         torch.save({"settings": asdict(settings), "step": step, "cursor": cursor, "tokens_seen": seen, "d2t": d2t,
-                    "t2d": t2d, "model": {k: v for k, v in head.state_dict().items()
-                                          if k in {n for n, p in head.named_parameters() if p.requires_grad}},
+                    "t2d": t2d, "model": {k: v for k, v in head.state_dict().items() if k in trainable_names},
                     "optimizer": opt.state_dict(), "log": log}, tmp)
         tmp.replace(path)
 

@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 import torch
+from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -43,6 +44,8 @@ from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.engine import beam_step, draft_head, eagle3, mjsd_step, spec_step
 from vllm_dsbd.engine.protocol import PLAN_ATTR, RESULT_ATTR, StepPlan, StepResult, layer_slot
 from vllm_dsbd.engine.stops import StopCheckers
+
+logger = init_logger(__name__)
 
 
 class DSBDModelRunnerMixin:
@@ -53,6 +56,7 @@ class DSBDModelRunnerMixin:
     _dsbd_scheduler_output = None
     _dsbd_head = False  # the draft is an EAGLE-3 head (engine.eagle3)
     _dsbd_features: eagle3.FeatureCache | None = None
+    _dsbd_features_gid = 0  # the KV-cache group of the target's (and the head's) layers
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -97,25 +101,23 @@ class DSBDModelRunnerMixin:
             ids = draft_head.reduced_vocab_ids(vocab, config.draft_vocab_size, self._dsbd_special_ids())
             draft_head.install_reduced_head(drafter.model, ids)
         if self._dsbd_head:
-            self._load_eagle3_head()
+            eagle3.share_target_embeddings(drafter.model, self.get_model())
         self.model.compute_logits = self._shared_node_logits(self.model.compute_logits)
         models = [self.model] + ([drafter.model] if drafter is not None else [])
         for model in models:  # the logits are part of the forward in the step profile
             model.compute_logits = self._dsbd_profile.timed_forward(model.compute_logits)
 
-    def _load_eagle3_head(self) -> None:
-        eagle3.share_target_embeddings(self.drafter.model, self.get_model())
-
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         if not self._dsbd_head:
             return
-        gid = max(getattr(self.drafter, "kv_cache_gid", 0), 0)  # the head's layers share the target's group
-        self._dsbd_features_gid = gid
+        gid = self._dsbd_features_gid = max(getattr(self.drafter, "kv_cache_gid", 0), 0)
         block_size = kv_cache_config.kv_cache_groups[gid].kv_cache_spec.block_size
         self._dsbd_features = eagle3.FeatureCache(
             kv_cache_config.num_blocks, block_size, self.drafter.model.config.hidden_size,
             self.drafter.model.model.embed_tokens.weight.dtype, self.device)
+        logger.info("DSBD: EAGLE-3 feature cache, %d slots, %.1f MiB", self._dsbd_features.features.shape[0],
+                    self._dsbd_features.nbytes / 2**20)
 
     def _shared_node_logits(self, compute_logits):
         """The target's head runs once per forest node of a verify step, not once per path through it
@@ -154,11 +156,10 @@ class DSBDModelRunnerMixin:
 
     def _target_forward_with_features(self, *args, **kwargs):
         """A target forward that also stores the head's input feature, fc(aux hidden states), at each row's slot."""
-        hidden, aux = output = super()._model_forward(*args, **kwargs)
+        _, aux = output = super()._model_forward(*args, **kwargs)
         num_rows, slots, _ = self._dsbd_slots()
-        head = self.drafter.model
         stacked = torch.cat([a[:num_rows] for a in aux], dim=-1).to(self._dsbd_features.features.dtype)
-        self._dsbd_features.write(slots, head.combine_hidden_states(stacked))
+        self._dsbd_features.write(slots, self.drafter.model.combine_hidden_states(stacked))
         return output
 
     def _head_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
