@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> dict:
     print(f"[dsbd] dtype {dtype.dtype} ({dtype.reason})", flush=True)
     pair = pairs.pair_paths(args.pair) if not (args.target and args.draft) else None
     target = args.target or str(pair.target)
-    draft = args.draft or str(pair.draft)
+    drafts = args.draft.split(",") if args.draft else [str(pair.draft)]
     gammas = [int(g) for g in args.gammas.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -102,20 +102,21 @@ def run(args: argparse.Namespace) -> dict:
     auto_max = (args.auto_max or max(gammas)) if args.auto else 0  # γmax of the auto_depth rows
     vocab_sizes = [int(v) for v in args.draft_vocab_sizes.split(",")]
     rows, baselines = [], {}  # baselines: temperature -> (seconds, tokens, forward seconds) of in-engine decoding
-    for engine_index, vocab_size in enumerate(vocab_sizes):
+    engines = [(d, v) for d in drafts for v in vocab_sizes]
+    for engine_index, (draft, vocab_size) in enumerate(engines):
         knobs = {"draft_vocab_size": vocab_size} if vocab_size else {}
         if args.draft_dtype != "auto":
             knobs["draft_dtype"] = args.draft_dtype
         llm = LLM(**dsbd_engine_kwargs(target, draft, max(max(gammas), auto_max, 1), args.width, dtype.dtype,
                                        **knobs), disable_log_stats=False)
         # γ 0 runs no draft: the first engine's in-engine rows are every engine's baseline
-        rows += _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, vocab_size, baselines,
+        rows += _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft, vocab_size, baselines,
                           with_baseline=engine_index == 0)
         llm.llm_engine.engine_core.shutdown()
         del llm
     return {
         "benchmark": "bench_dsbd",
-        "settings": {"pair": args.pair, "target": target, "draft": draft, "width": args.width, "gammas": gammas,
+        "settings": {"pair": args.pair, "target": target, "drafts": drafts, "width": args.width, "gammas": gammas,
                      "auto_depth_rows": args.auto, "temperatures": temperatures, "width_threshold": args.tau,
                      "draft_vocab_sizes": vocab_sizes,
                      "max_tokens": args.max_tokens, "num_prompts": len(prompts),
@@ -129,9 +130,9 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, vocab_size, baselines,
+def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft, vocab_size, baselines,
               with_baseline: bool) -> list[dict]:
-    """Every row of one engine (one draft_vocab_size); the in-engine baseline only ``with_baseline``."""
+    """Every row of one engine (one draft and draft_vocab_size); the in-engine baseline only ``with_baseline``."""
     from vllm import SamplingParams
 
     def decode(gamma, temperature, fixed, auto, max_tokens, batch):
@@ -174,7 +175,8 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, vocab_
             tokens = [[list(c.token_ids) for c in o.outputs] for o in out]
             forward_s = sum(p["forward_s"] for p in profile.values())
             row = {"method": name, "gamma": gamma, "auto_depth": auto, "temperature": temperature,
-                   "draft_vocab_size": vocab_size if gamma else 0, "wall_s": secs,
+                   "draft": Path(draft).name if gamma else None, "draft_vocab_size": vocab_size if gamma else 0,
+                   "wall_s": secs,
                    **run["counters"], "step_profile": profile,
                    "wall_per_forward": secs / max(forward_s, 1e-9)}
             if gamma == 0:
@@ -190,7 +192,7 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, vocab_
                 if temperature == 0:
                     row["same_tokens_as_in_engine"] = tokens == base_tokens
             rows.append(row)
-            print(f"[dsbd] T={temperature} γ={gamma} V'={vocab_size} {name} {secs:.2f} s "
+            print(f"[dsbd] T={temperature} γ={gamma} {row['draft']} V'={vocab_size} {name} {secs:.2f} s "
                   + " ".join(f"{k}={v:.3g}" for k, v in row.items() if k in (
                       "speedup_vs_in_engine", "tokens_per_target_forward", "mean_beam_width", "mean_draft_depth",
                       "node_acceptance", "wall_per_forward", "forward_bound_speedup")), flush=True)
@@ -211,16 +213,16 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(s["temperatures"]), figsize=(5 * len(s["temperatures"]), 4), squeeze=False)
     for ax, temperature in zip(axes[0], s["temperatures"]):
         rows = [r for r in result["results"] if r["temperature"] == temperature]
-        for vocab in s.get("draft_vocab_sizes", [0]):
-            suffix = f", draft vocab {vocab}" if vocab else ""
+        engines = sorted({(r.get("draft"), r.get("draft_vocab_size", 0)) for r in rows if r["gamma"]}, key=str)
+        for draft, vocab in engines:
+            suffix = (f", {draft}" if len(engines) > 1 else "") + (f", draft vocab {vocab}" if vocab else "")
+            mine = [r for r in rows if r.get("draft") == draft and r.get("draft_vocab_size", 0) == vocab]
             for name, marker in (("dsbd-fixed", "o"), ("dsbd-dynamic", "s")):
-                pts = [(r["gamma"], r["speedup_vs_in_engine"]) for r in rows
-                       if r["method"] == name and r.get("draft_vocab_size", 0) == vocab]
+                pts = [(r["gamma"], r["speedup_vs_in_engine"]) for r in mine if r["method"] == name]
                 if pts:
                     ax.plot(*zip(*pts), marker=marker, label=name + suffix)
             for name, marker in (("dsbd-auto-fixed", "*"), ("dsbd-auto-dynamic", "P")):
-                pts = [(r["gamma"], r["speedup_vs_in_engine"]) for r in rows
-                       if r["method"] == name and r.get("draft_vocab_size", 0) == vocab]
+                pts = [(r["gamma"], r["speedup_vs_in_engine"]) for r in mine if r["method"] == name]
                 if pts:
                     ax.scatter(*zip(*pts), marker=marker, s=90, label=f"{name} (γ chosen, at most x){suffix}")
         ceilings = [(r["gamma"], r["forward_bound_speedup"]) for r in rows if "forward_bound_speedup" in r]
@@ -240,7 +242,9 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_prompt_args(parser)
-    parser.add_argument("--draft", default=None, help="draft checkpoint (default: the prepared default draft)")
+    parser.add_argument("--draft", default=None,
+                        help="draft checkpoint or EAGLE-3 head, or several comma-separated (one engine each, rows "
+                             "side by side against the first engine's in-engine rows; default: the pair's draft)")
     parser.add_argument("--width", type=int, default=4)
     parser.add_argument("--gammas", default="0,1,2,3,4", help="0 (the baseline) must come first")
     parser.add_argument("--temperatures", default="0,1")
@@ -270,7 +274,7 @@ def main() -> None:
     for r in result["results"]:
         extra = "".join(f"  {k} {r[k]:.2f}" for k in ("speedup_vs_in_engine", "forward_bound_speedup",
                                                       "tokens_per_target_forward", "mean_beam_width") if k in r)
-        print(f"T={r['temperature']} γ={r['gamma']} V'={r['draft_vocab_size']} {r['method']:17s} "
+        print(f"T={r['temperature']} γ={r['gamma']} {r['draft']} V'={r['draft_vocab_size']} {r['method']:17s} "
               f"{r['wall_s']:7.2f} s{extra}")
     print(f"written to {out}")
 

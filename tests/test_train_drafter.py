@@ -75,3 +75,27 @@ def test_an_exported_head_is_a_speculators_checkpoint_without_embeddings(tiny_pa
         d2t = f.get_tensor("d2t")
     assert "embed_tokens.weight" not in keys and {"d2t", "t2d", "fc.weight", "lm_head.weight"} <= keys
     assert ((torch.arange(512) + d2t) < 2000).all()  # the answers' tokens
+
+
+@pytest.mark.parametrize("steps, expected", [(2, [1.0, 0.0]), (1, [0.0, 0.0])])
+def test_eval_head_counts_a_chain_as_agreed_only_while_every_draft_is_the_targets_top_1(tiny_pair, tmp_path, steps,
+                                                                                          expected):
+    """On the permutation pair (tests/eagle3_heads.py) the head with ``steps=2`` predicts the token after p from the
+    feature of p - 1, so depth 1 always agrees; depth 2 reads the head's own output, which still carries token
+    p - 1, so it never does. The ``steps=1`` head is one permutation step behind at every depth."""
+    from eagle3_heads import _permutation, write_permutation_head, write_permutation_target
+
+    from vllm_dsbd.draft import eval_head
+
+    target = write_permutation_target(tiny_pair.target, tmp_path / "target")
+    head = eval_head.load_head(write_permutation_head(target, tmp_path / "head", steps=steps), target)
+    perm = _permutation(json.loads((target / "config.json").read_text())["vocab_size"], 0)
+    seqs = []
+    for start in (3, 500, 4000):  # sequences the target generates: each token the permutation of the one before
+        chain = [start]
+        for _ in range(13):
+            chain.append(int(perm[chain[-1]]))
+        seqs.append((chain[:2], chain[2:]))
+    result = eval_head.chain_agreement(head, eagle3_head.TargetFeatures(target, (0, 1, 2)), seqs, depth=2)
+    assert result["positions"] == 3 * 12
+    assert result["agreement"] == pytest.approx(expected, abs=0.03)

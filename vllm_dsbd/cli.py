@@ -53,6 +53,12 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
     return evaluate.run(args)
 
 
+def _cmd_eval_head(args: argparse.Namespace) -> int:
+    from vllm_dsbd.draft import eval_head
+
+    return eval_head.run(args)
+
+
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from vllm_dsbd.draft import train_drafter
 
@@ -122,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     td = sub.add_parser("train-drafter", help="train an EAGLE-3 head for a pair's target (speculators format)")
     train_drafter.add_arguments(td)
     td.set_defaults(func=_cmd_train_drafter)
+
+    from vllm_dsbd.draft import eval_head
+
+    eh = sub.add_parser("eval-head", help="per-depth agreement of an EAGLE-3 head with its target (writes eval.json)")
+    eval_head.add_arguments(eh)
+    eh.set_defaults(func=_cmd_eval_head)
     return parser
 
 

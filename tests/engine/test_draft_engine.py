@@ -45,6 +45,9 @@ def test_teacher_rows_are_the_targets_own_samples_and_log_probs(target_llm, hf_t
     rows = teacher.sample_rows(target_llm, ids, seeds, max_new_tokens=16, top_k=k)
     again = teacher.sample_rows(target_llm, ids, seeds, max_new_tokens=16, top_k=k)
     assert [r["answer"] for r in rows] == [r["answer"] for r in again]
+    bare = teacher.sample_rows(target_llm, ids, seeds, max_new_tokens=16, top_k=0)  # answers only (train-drafter)
+    assert [r["answer"] for r in bare] == [r["answer"] for r in rows] and all(set(r) == {"prompt", "answer"}
+                                                                              for r in bare)
     for r in rows:
         assert r["top_ids"].shape == r["top_logp"].shape == (len(r["answer"]), k)
         p = len(r["prompt"])

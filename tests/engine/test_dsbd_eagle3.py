@@ -167,3 +167,21 @@ def test_a_head_reads_the_feature_of_the_position_before_each_token(permutation_
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
     assert after["draft_tokens"] >= 8 * len(PROMPTS)
     assert after["accepted_tokens"] == after["draft_tokens"] - len(PROMPTS)
+
+
+def test_the_heads_kv_of_accepted_drafts_is_recomputed_from_the_targets_features(permutation_llm):
+    """W = 1, γ = 2 on the permutation pair: depth 1 is always right after the first iteration, depth 2 (fed
+    the head's own output) never, so each iteration accepts one draft and adds two tokens. The head computed
+    the accepted draft's KV in draft layer 2 from its own feature; the next iteration's first draft layer
+    computes it again (from the target's feature, as the head was trained) with the new last token: three
+    draft rows per iteration, two if the draft node's KV were kept. (New beams are forks of their root that
+    share only the root's draft KV, so this holds by construction; the test keeps it so.)"""
+    profile = lambda: permutation_llm.collective_rpc("dsbd_step_profile")[0].get("draft", {}).get("tokens", 0)  # noqa
+    prompt = PROMPTS[:1]
+    tokens = {}
+    for n in (8, 16):
+        before = profile()
+        outs = permutation_llm.generate(prompt, _beams(1, 2, n, ignore_eos=True), use_tqdm=False)
+        assert len(outs[0].outputs[0].token_ids) == n
+        tokens[n] = profile() - before
+    assert tokens[16] - tokens[8] == 3 * (16 - 8) // 2

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -192,11 +193,11 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
     head = build_head(target_dir, settings, d2t, t2d)
     trainable = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=settings.lr)
-    step, cursor, seen = 0, 0, 0
+    step, cursor, seen, seconds = 0, 0, 0, 0.0
     if state is not None:
         head.load_state_dict(state["model"], strict=False)
         opt.load_state_dict(state["optimizer"])
-        step, cursor, seen = state["step"], state["cursor"], state["tokens_seen"]
+        step, cursor, seen, seconds = state["step"], state["cursor"], state["tokens_seen"], state["seconds"]
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(settings.seed)).tolist()
     features = TargetFeatures(target_dir, settings.aux_ids)
     loss_config = resolve_loss_config("kl_div", "eager")
@@ -208,13 +209,14 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
 
     def save():
         tmp = path.with_suffix(".tmp")
-        torch.save({"settings": asdict(settings), "step": step, "cursor": cursor, "tokens_seen": seen, "d2t": d2t,
+        torch.save({"settings": asdict(settings), "step": step, "cursor": cursor, "tokens_seen": seen,
+                    "seconds": round(seconds + time.monotonic() - started, 1), "d2t": d2t,
                     "t2d": t2d, "model": {k: v for k, v in head.state_dict().items() if k in trainable_names},
                     "optimizer": opt.state_dict(), "log": log}, tmp)
         tmp.replace(path)
 
     head.train()
-    steps_run = 0
+    steps_run, started = 0, time.monotonic()
     while seen < settings.tokens and (stop_after is None or steps_run < stop_after):
         for group in opt.param_groups:
             group["lr"] = _lr(settings, step, total_steps)
@@ -252,7 +254,8 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
 
 def export(settings: HeadSettings, target_dir: Path, ckpt_dir: Path, out_dir: Path, verifier_name: str | None = None,
            dtype: torch.dtype = torch.bfloat16) -> Path:
-    """The trained head in speculators' format, without the target's embeddings (vLLM shares them)."""
+    """The trained head in speculators' format, without the target's embeddings (vLLM shares them), and
+    ``training.json`` (settings, tokens, steps, training seconds, the last log rows)."""
     state = torch.load(Path(ckpt_dir) / CHECKPOINT, weights_only=False)
     head = build_head(target_dir, settings, state["d2t"], state["t2d"])
     head.load_state_dict(state["model"], strict=False)
@@ -267,4 +270,7 @@ def export(settings: HeadSettings, target_dir: Path, ckpt_dir: Path, out_dir: Pa
     config.pop("auto_map", None)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "config.py").unlink(missing_ok=True)
+    training = {"settings": state["settings"], "steps": state["step"], "tokens_seen": state["tokens_seen"],
+                "train_seconds": state["seconds"], "last_log_rows": state["log"][-10:]}
+    (out_dir / "training.json").write_text(json.dumps(training, indent=1) + "\n")
     return out_dir

@@ -51,18 +51,20 @@ def load(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def target_answers(llm, tokenizer, prompts, *, max_new_tokens: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids) with each answer sampled from the target (a vLLM ``LLM``) at T=1."""
+def target_answers(llm, tokenizer, prompts, *, max_new_tokens: int, seed: int,
+                   temperature: float = 1.0) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids) with each answer sampled from the target (a vLLM ``LLM``) at ``temperature``."""
     from vllm_dsbd.draft import teacher
 
     ids = [teacher.chat_ids(tokenizer, p, teacher.TeacherConfig.max_prompt_tokens) for p in prompts]
     seeds = [teacher.request_seed(seed, 0, j) for j in range(len(ids))]
     outs = llm.generate([{"prompt_token_ids": p} for p in ids],
-                        teacher.sampling_params(seeds, max_new_tokens=max_new_tokens, top_k=None), use_tqdm=False)
+                        teacher.sampling_params(seeds, max_new_tokens=max_new_tokens, top_k=None,
+                                                temperature=temperature), use_tqdm=False)
     return [(p, list(o.outputs[0].token_ids)) for p, o in zip(ids, outs)]
 
 
-def sample_held_out(target_dir: Path, prompts, *, max_new_tokens: int, seed: int):
+def sample_held_out(target_dir: Path, prompts, *, max_new_tokens: int, seed: int, temperature: float = 1.0):
     """:func:`target_answers` in a vLLM engine started (and stopped) here."""
     from transformers import AutoTokenizer
 
@@ -72,7 +74,7 @@ def sample_held_out(target_dir: Path, prompts, *, max_new_tokens: int, seed: int
     llm = teacher.start_engine(target_dir, cfg)
     try:
         return target_answers(llm, AutoTokenizer.from_pretrained(target_dir), prompts,
-                              max_new_tokens=max_new_tokens, seed=seed)
+                              max_new_tokens=max_new_tokens, seed=seed, temperature=temperature)
     finally:
         llm.llm_engine.engine_core.shutdown()
 

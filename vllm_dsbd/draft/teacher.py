@@ -27,7 +27,7 @@ class TeacherConfig:
     seqs_per_shard: int = 512
     max_new_tokens: int = 256
     max_prompt_tokens: int = 512
-    top_k: int = 64
+    top_k: int = 64  # 0: answers only (no log-probs)
     max_num_seqs: int = 128  # sequences vLLM decodes together
     kv_cache_bytes: int = 3 << 30
 
@@ -146,12 +146,16 @@ def rows_from_outputs(prompt_ids: list[list[int]], outputs, top_k: int) -> list[
     """Teacher rows from vLLM ``RequestOutput``s (same order as ``prompt_ids``).
 
     Each row: ``prompt`` (list[int]), ``answer`` (list[int], up to and
-    including EOS), ``top_ids`` [len(answer), top_k] int32 and ``top_logp``
-    [len(answer), top_k] float16 (the target's log-probs at T=1).
+    including EOS), and unless ``top_k`` is 0, ``top_ids`` [len(answer), top_k]
+    int32 and ``top_logp`` [len(answer), top_k] float16 (the target's log-probs
+    at T=1).
     """
     rows = []
     for prompt, out in zip(prompt_ids, outputs):
         comp = out.outputs[0]
+        if not top_k:
+            rows.append({"prompt": list(prompt), "answer": list(comp.token_ids)})
+            continue
         lp = comp.logprobs  # FlatLogprobs: one entry per answer position
         if len(lp) != len(comp.token_ids):
             raise ValueError(f"{len(lp)} log-prob positions for {len(comp.token_ids)} tokens")
@@ -174,7 +178,7 @@ def sample_rows(llm, prompt_ids: list[list[int]], seeds: list[int], *, max_new_t
     """The target (a vLLM ``LLM``) answers every prompt once; see :func:`rows_from_outputs`."""
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in prompt_ids],
-        sampling_params(seeds, max_new_tokens=max_new_tokens, top_k=top_k),
+        sampling_params(seeds, max_new_tokens=max_new_tokens, top_k=top_k or None),
         use_tqdm=False,
     )
     return rows_from_outputs(prompt_ids, outputs, top_k)

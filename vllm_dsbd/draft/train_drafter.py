@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if args.stage in ("all", "teach"):
         with tqdm(total=args.teach_tokens or args.tokens, desc="teacher", unit="tok", unit_scale=True) as bar:
             n = teacher.generate_shards(target, data, tokens=args.teach_tokens or args.tokens, seed=args.seed,
-                                        cfg=teacher.TeacherConfig(), progress=bar)
+                                        cfg=teacher.TeacherConfig(top_k=0), progress=bar)
         print(f"teacher data: {n} shards in {data}")
     if args.stage in ("all", "train"):
         state = eagle3_head.train(settings, target, data, ckpt, stop_after=args.stop_after)

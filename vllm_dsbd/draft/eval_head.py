@@ -1,0 +1,115 @@
+"""``vllm-dsbd eval-head``: how often an EAGLE-3 head's draft chain agrees with its target, per depth.
+
+On held-out prompts (``prompts.EVAL_PROMPTS``, never used for training) the
+target answers greedily (vLLM, T = 0). The head is then teacher-forced on
+prompt + answer exactly as DSBD feeds it (docs/eagle3.md): depth 1 reads the
+target's features, depth k > 1 its own output of depth k - 1. For each answer
+position p and depth k, the chain of k drafts starting after p agrees when
+every draft is the target's own top-1 token (full vocabulary, after the
+head's ``d2t`` map). ``agreement[k-1]`` is the fraction of chains of k that
+agree: the expected acceptance of a depth-k chain at T = 0 (width 1);
+``conditional[k-1]`` is depth k's agreement given depths 1..k-1 agreed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from vllm_dsbd.draft.prompts import EVAL_PROMPTS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--head", required=True, help="the head (speculators format, as train-drafter writes)")
+    p.add_argument("--pair", default="default", help="the pair whose target the head drafts for")
+    p.add_argument("--out", default=None, help="result file (default: eval.json in --head)")
+    p.add_argument("--depth", type=int, default=4, help="longest draft chain measured")
+    p.add_argument("--num-prompts", type=int, default=len(EVAL_PROMPTS))
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--cache-dir", default=None)
+
+
+def load_head(head_dir: Path, target_dir: Path):
+    """A head written by ``eagle3_head.export`` as speculators' ``Eagle3DraftModel`` (float32, eval mode), its
+    embeddings and verifier parts from the target."""
+    from safetensors.torch import load_file
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    from vllm_dsbd.draft.eagle3_head import ATTENTION
+
+    config = Eagle3SpeculatorConfig.from_pretrained(head_dir)
+    config.transformer_layer_config._attn_implementation = ATTENTION
+    config.speculators_config.verifier.name_or_path = str(target_dir)
+    weights = load_file(str(Path(head_dir) / "model.safetensors"))
+    head = Eagle3DraftModel(config)
+    head.load_vocab_mappings(weights.get("t2d"), weights.get("d2t"))  # none: the whole vocabulary
+    head.load_verifier_weights()
+    missing = set(head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()},
+                                       strict=False).unexpected_keys)
+    if missing:
+        raise ValueError(f"{head_dir}: weights the head does not have: {sorted(missing)}")
+    return head.float().eval()
+
+
+@torch.no_grad()
+def chain_agreement(head, features, seqs: list[tuple[list[int], list[int]]], depth: int) -> dict:
+    """Per-depth agreement of ``head`` (see the module doc) on (prompt, answer) pairs; ``features`` is an
+    ``eagle3_head.TargetFeatures`` of the target."""
+    from vllm_dsbd.draft.eagle3_head import example
+
+    norm, lm_head = features.model.model.norm, features.model.lm_head
+    hits, cond_total, total = torch.zeros(depth), torch.zeros(depth), torch.zeros(depth)
+    for prompt, answer in seqs:
+        ids = list(prompt) + list(answer)
+        aux, last = features(ids)
+        best = lm_head(norm(last)).argmax(-1)  # best[q]: the target's top-1 after position q
+        ex = example(ids, len(prompt), aux, last)
+        drafts = head(hidden_states=ex["hidden_states"], input_ids=ex["input_ids"], document_ids=ex["document_ids"],
+                      position_ids=ex["position_ids"], ttt_steps=depth)
+        n = len(ids)
+        ok = torch.ones(n, dtype=torch.bool)  # the chain from row p agreed so far
+        for k, d in enumerate(drafts):  # d[0, p]: the draft after position p + k
+            tokens = d[0] if head.d2t is None else d[0] + head.d2t[d[0]]
+            rows = torch.arange(len(prompt) - 1, n - 1 - k)  # chains whose k-th draft is an answer token
+            step = tokens[rows] == best[rows + k]
+            cond_total[k] += ok[rows].sum()
+            ok[rows] &= step
+            hits[k] += ok[rows].sum()
+            total[k] += len(rows)
+    return {"agreement": [round(float(h / t), 4) for h, t in zip(hits, total)],
+            "conditional": [round(float(h / c), 4) if c else None for h, c in zip(hits, cond_total)],
+            "positions": int(total[0])}
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm_dsbd import pairs
+    from vllm_dsbd.draft import distill
+    from vllm_dsbd.draft.eagle3_head import TargetFeatures
+    from vllm_dsbd.draft.evaluate import sample_held_out
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    head_dir = Path(args.head)
+    target_dir = Path(pairs.pair_paths(args.pair, args.cache_dir).target)
+    config = json.loads((head_dir / "config.json").read_text())
+    t0 = time.time()
+    prompts = list(EVAL_PROMPTS[: args.num_prompts])
+    seqs = sample_held_out(target_dir, prompts, max_new_tokens=args.max_new_tokens, seed=0, temperature=0.0)
+    result = chain_agreement(load_head(head_dir, target_dir), TargetFeatures(target_dir,
+                                                                             config["eagle_aux_hidden_state_layer_ids"]),
+                             seqs, args.depth)
+    result.update({
+        "pair": args.pair, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "answers": "the target's greedy answers (vLLM, T = 0); features and top-1 from HF float32",
+        "machine": distill.machine(), "date": distill.now(), "eval_seconds": round(time.time() - t0, 1)})
+    training = head_dir / "training.json"
+    if training.exists():
+        result["training"] = json.loads(training.read_text())
+    distill.write_json(Path(args.out) if args.out else head_dir / "eval.json", result)
+    print(json.dumps(result, indent=1))
+    return 0
