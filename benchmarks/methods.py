@@ -177,6 +177,16 @@ BACKENDS["vllm-draft"] = lambda s: _vllm_engine(
 )
 
 
+BACKENDS["vllm-eagle3"] = lambda s: _vllm_engine(
+    s,
+    speculative_config={
+        "method": "eagle3",
+        "model": s.draft,
+        "num_speculative_tokens": s.draft_model_tokens or s.num_speculative_tokens,
+    },
+)
+
+
 @method("vllm-greedy", backend="vllm", description="vLLM greedy decoding")
 def _vllm_greedy(llm, s: Settings) -> GenerateFn:
     return lambda prompts, max_tokens: _vllm_generate(
@@ -219,6 +229,11 @@ def _vllm_draft_model(llm, s: Settings) -> GenerateFn:
     return lambda prompts, max_tokens: _vllm_generate(
         llm, prompts, _sampling_params(s, max_tokens, temperature=0.0)
     )
+
+
+method("vllm-eagle3", backend="vllm-eagle3", needs_draft=True,
+       description="vLLM eagle3 speculative decoding, greedy (--draft: an EAGLE-3 head; γ draft tokens)")(
+    _vllm_draft_model)
 
 
 # ---------------------------------------------------------------------------

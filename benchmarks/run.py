@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default=None, help="target checkpoint (default: the pair's target)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="γ (default: the config's)")
     p.add_argument("--draft-model-tokens", type=int, default=None,
-                   help="γ of vLLM's draft_model method (default: the DSBD methods' γ)")
+                   help="γ of vLLM's draft_model and eagle3 methods (default: the DSBD methods' γ)")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--baseline", default=None)
