@@ -49,10 +49,10 @@ def load_head(head_dir: Path, target_dir: Path):
     head = Eagle3DraftModel(config)
     head.load_vocab_mappings(weights.get("t2d"), weights.get("d2t"))  # none: the whole vocabulary
     head.load_verifier_weights()
-    missing = set(head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()},
-                                       strict=False).unexpected_keys)
-    if missing:
-        raise ValueError(f"{head_dir}: weights the head does not have: {sorted(missing)}")
+    unexpected = head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()},
+                                      strict=False).unexpected_keys
+    if unexpected:
+        raise ValueError(f"{head_dir}: weights the head does not have: {sorted(unexpected)}")
     return head.float().eval()
 
 
