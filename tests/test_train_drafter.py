@@ -44,6 +44,25 @@ def test_the_draft_vocabulary_is_the_most_frequent_answer_tokens():
     assert (torch.arange(3) + d2t).tolist() == [5, 7, 11] and t2d.nonzero().flatten().tolist() == [5, 7, 11]
 
 
+def test_features_are_stored_once_per_teacher_shard_and_read_back_per_row(tiny_pair, tmp_path):
+    data = fake_shards(tmp_path / "data", num_shards=2, rows=3)
+    out = eagle3_head.store_features(tiny_pair.target, data, (0, 1, 2), 25, progress=False)
+    rows, num_shards = eagle3_head.training_rows(data, 25)
+    stored, _ = eagle3_head.stored_features(out, num_shards)
+    features = eagle3_head.TargetFeatures(tiny_pair.target, (0, 1, 2))
+    assert len(stored) == len(rows) == 6
+    for r, (aux, last) in zip(rows, stored):
+        want_aux, want_last = features(r["ids"])  # rows cut to 25 tokens
+        assert aux.shape == (25, 192) and torch.equal(aux, want_aux.to(eagle3_head.FEATURE_DTYPE))
+        assert torch.equal(last, want_last.to(eagle3_head.FEATURE_DTYPE))
+    first = (out / "features-00000.pt").stat().st_mtime_ns
+    (out / "features-00001.pt").unlink()
+    fake_shards(data, num_shards=3, rows=3)  # the teacher went on: a third shard
+    eagle3_head.store_features(tiny_pair.target, data, (0, 1, 2), 25, progress=False)
+    assert (out / "features-00000.pt").stat().st_mtime_ns == first  # computed once
+    assert len(eagle3_head.stored_features(out, 3)[0]) == 9
+
+
 def test_training_learns_and_resumes_to_the_same_weights(tiny_pair, tmp_path):
     data = fake_shards(tmp_path / "data")
     full = eagle3_head.train(SETTINGS, tiny_pair.target, data, tmp_path / "a", progress=False)

@@ -6,9 +6,10 @@ a draft vocabulary), trained with its own loss (KL to the target's distribution
 over the draft vocabulary) and unrolled draft steps ("training-time test"), and
 saved in its checkpoint format, which vLLM and vllm-dsbd load. What this module
 adds is what speculators does through a GPU data pipeline: the target's
-features computed here with Hugging Face transformers, and a small resumable
-CPU training loop. Data: the target's own answers (``draft.teacher`` shards,
-made with vLLM).
+features computed here with Hugging Face transformers, once, and stored beside
+the teacher shards (bf16, one file per shard), and a small resumable CPU
+training loop over them. Data: the target's own answers (``draft.teacher``
+shards, made with vLLM).
 
 Rows follow DSBD's layout (docs/eagle3.md): row p holds token p and the
 feature of position p - 1 (zeros at p = 0), at position p, and learns the
@@ -127,13 +128,79 @@ class TargetFeatures:
         captured = {}
         hook = layers[-1].register_forward_hook(lambda m, i, o: captured.setdefault("last", o[0] if isinstance(o, tuple)
                                                                                     else o))
-        try:
-            out = self.model(torch.tensor([ids]), output_hidden_states=True)
+        try:  # the base model: no logits over the whole vocabulary
+            out = self.model.model(torch.tensor([ids]), output_hidden_states=True)
         finally:
             hook.remove()
         last = captured["last"][0]
         aux = [last if i == len(layers) else out.hidden_states[i][0] for i in self.aux_ids]
         return torch.cat(aux, dim=-1), last
+
+
+FEATURE_DTYPE = torch.bfloat16  # what the head's bf16 autocast would make of them anyway
+
+
+def feature_dir(data_dir: Path, aux_ids: tuple[int, ...], max_len: int) -> Path:
+    """Where the features of the teacher rows in ``data_dir`` are stored, per aux layers and row length."""
+    return Path(data_dir) / f"features-aux{'-'.join(map(str, sorted(set(aux_ids))))}-len{max_len}"
+
+
+def _shard_rows(data_dir: Path, index: int, max_len: int) -> list[dict]:
+    from vllm_dsbd.draft import teacher
+
+    rows = []
+    for r in torch.load(teacher.shard_path(data_dir, index), weights_only=False)["rows"]:
+        ids = (list(r["prompt"]) + list(r["answer"]))[:max_len]
+        if len(ids) > len(r["prompt"]):
+            rows.append({"ids": ids, "prompt_len": len(r["prompt"]), "answer": r["answer"]})
+    return rows
+
+
+def store_features(target_dir: Path, data_dir: Path, aux_ids: tuple[int, ...], max_len: int,
+                   progress: bool = True) -> Path:
+    """The target's features of every teacher row, computed once: one file per teacher shard (``aux`` and
+    ``last`` of all its rows, concatenated, in ``FEATURE_DTYPE``), so a stopped run resumes at the next shard
+    and shards the teacher adds later are computed when training next starts."""
+    from tqdm import tqdm
+
+    from vllm_dsbd.draft import teacher
+
+    out = feature_dir(data_dir, aux_ids, max_len)
+    out.mkdir(parents=True, exist_ok=True)
+    todo = []
+    i = 0
+    while teacher.shard_path(data_dir, i).exists():
+        if not (out / f"features-{i:05d}.pt").exists():
+            todo.append(i)
+        i += 1
+    if not todo:
+        return out
+    features = TargetFeatures(target_dir, aux_ids)
+    for i in tqdm(todo, desc="target features", unit="shard", disable=not progress):
+        started = time.monotonic()
+        rows = _shard_rows(data_dir, i, max_len)
+        pieces = [features(r["ids"]) for r in rows]
+        tmp = out / f"features-{i:05d}.tmp"
+        torch.save({"lengths": [len(r["ids"]) for r in rows],
+                    "aux": torch.cat([a for a, _ in pieces]).to(FEATURE_DTYPE),
+                    "last": torch.cat([b for _, b in pieces]).to(FEATURE_DTYPE),
+                    "seconds": round(time.monotonic() - started, 1)}, tmp)
+        tmp.replace(out / f"features-{i:05d}.pt")
+    return out
+
+
+def stored_features(out: Path, num_shards: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float]:
+    """(aux, last) per teacher row, in ``training_rows`` order, as views of the memory-mapped shard files; and
+    the seconds it took to compute them."""
+    per_row, seconds = [], 0.0
+    for i in range(num_shards):
+        shard = torch.load(out / f"features-{i:05d}.pt", mmap=True, weights_only=True)
+        seconds += shard["seconds"]
+        starts = [0]
+        for n in shard["lengths"]:
+            starts.append(starts[-1] + n)
+        per_row += [(shard["aux"][a:b], shard["last"][a:b]) for a, b in zip(starts, starts[1:])]
+    return per_row, seconds
 
 
 def example(ids: list[int], prompt_len: int, aux: torch.Tensor, last: torch.Tensor) -> dict:
@@ -147,20 +214,18 @@ def example(ids: list[int], prompt_len: int, aux: torch.Tensor, last: torch.Tens
             "document_ids": torch.zeros((1, n), dtype=torch.long)}
 
 
-def training_rows(data_dir: Path, max_len: int) -> list[dict]:
-    """Every (prompt, answer) row of the teacher shards in ``data_dir``, in shard order, cut to ``max_len``."""
+def training_rows(data_dir: Path, max_len: int) -> tuple[list[dict], int]:
+    """Every (prompt, answer) row of the teacher shards in ``data_dir``, in shard order, cut to ``max_len``;
+    and the number of shards."""
     from vllm_dsbd.draft import teacher
 
     rows, i = [], 0
     while teacher.shard_path(data_dir, i).exists():
-        for r in torch.load(teacher.shard_path(data_dir, i), weights_only=False)["rows"]:
-            ids = (list(r["prompt"]) + list(r["answer"]))[:max_len]
-            if len(ids) > len(r["prompt"]):
-                rows.append({"ids": ids, "prompt_len": len(r["prompt"]), "answer": r["answer"]})
+        rows += _shard_rows(data_dir, i, max_len)
         i += 1
     if not rows:
         raise ValueError(f"no teacher shards in {data_dir}: run the 'teach' stage first")
-    return rows
+    return rows, i
 
 
 def _lr(settings: HeadSettings, step: int, total: int) -> float:
@@ -181,7 +246,9 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / CHECKPOINT
-    rows = training_rows(data_dir, settings.max_len)
+    rows, num_shards = training_rows(data_dir, settings.max_len)
+    row_features, feature_seconds = stored_features(store_features(target_dir, data_dir, settings.aux_ids, settings.max_len, progress),
+                                   num_shards)
     state = torch.load(path, weights_only=False) if path.exists() else None
     if state is not None and state["settings"] != asdict(settings):
         raise ValueError(f"{path} was trained with other settings {state['settings']}; use another --work-dir")
@@ -199,7 +266,6 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
         opt.load_state_dict(state["optimizer"])
         step, cursor, seen, seconds = state["step"], state["cursor"], state["tokens_seen"], state["seconds"]
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(settings.seed)).tolist()
-    features = TargetFeatures(target_dir, settings.aux_ids)
     loss_config = resolve_loss_config("kl_div", "eager")
     total_steps = max(1, settings.tokens // settings.batch_tokens)
     log = list(state["log"]) if state is not None else []
@@ -210,7 +276,8 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
     def save():
         tmp = path.with_suffix(".tmp")
         torch.save({"settings": asdict(settings), "step": step, "cursor": cursor, "tokens_seen": seen,
-                    "seconds": round(seconds + time.monotonic() - started, 1), "d2t": d2t,
+                    "seconds": round(seconds + time.monotonic() - started, 1),
+                    "feature_seconds": feature_seconds, "d2t": d2t,
                     "t2d": t2d, "model": {k: v for k, v in head.state_dict().items() if k in trainable_names},
                     "optimizer": opt.state_dict(), "log": log}, tmp)
         tmp.replace(path)
@@ -222,14 +289,15 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
             group["lr"] = _lr(settings, step, total_steps)
         batch, batch_tokens = [], 0
         while batch_tokens < settings.batch_tokens:
-            r = rows[order[cursor % len(rows)]]
+            index = order[cursor % len(rows)]
+            r = rows[index]
             cursor += 1
-            batch.append(r)
+            batch.append((index, r))
             batch_tokens += len(r["ids"]) - r["prompt_len"]
         opt.zero_grad()
         sums, batch_loss = torch.zeros(settings.ttt_steps), 0.0
-        for r in batch:
-            aux, last = features(r["ids"])
+        for index, r in batch:
+            aux, last = (f.float() for f in row_features[index])
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
                 _, loss, metrics = head(**example(r["ids"], r["prompt_len"], aux, last), ttt_steps=settings.ttt_steps,
                                         ttt_step_loss_decay=0.8, loss_config=loss_config)
@@ -271,6 +339,7 @@ def export(settings: HeadSettings, target_dir: Path, ckpt_dir: Path, out_dir: Pa
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "config.py").unlink(missing_ok=True)
     training = {"settings": state["settings"], "steps": state["step"], "tokens_seen": state["tokens_seen"],
-                "train_seconds": state["seconds"], "last_log_rows": state["log"][-10:]}
+                "train_seconds": state["seconds"], "feature_seconds": state.get("feature_seconds"),
+                "last_log_rows": state["log"][-10:]}
     (out_dir / "training.json").write_text(json.dumps(training, indent=1) + "\n")
     return out_dir

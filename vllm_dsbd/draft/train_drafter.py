@@ -2,7 +2,8 @@
 
 Stages (``--stage``; ``all`` runs them in order, each resumable): ``teach`` (the
 target answers training prompts with vLLM: ``draft.teacher`` shards), ``train``
-(features from the target, speculators' head, checkpoints in the work folder),
+(the target's features of every row, computed once and stored beside the teacher
+shards; speculators' head trained over them, checkpoints in the work folder),
 ``export`` (speculators' format in ``--out``).
 """
 
