@@ -63,6 +63,14 @@ def test_features_are_stored_once_per_teacher_shard_and_read_back_per_row(tiny_p
     assert len(eagle3_head.stored_features(out, 3)[0]) == 9
 
 
+def test_training_refuses_stored_features_of_other_teacher_rows(tiny_pair, tmp_path):
+    data = fake_shards(tmp_path / "data")
+    eagle3_head.train(SETTINGS, tiny_pair.target, data, tmp_path / "a", stop_after=1, progress=False)
+    fake_shards(data, num_shards=1, rows=4, seed=1)  # shard 0 replaced after its features were stored
+    with pytest.raises(ValueError, match="do not match the teacher rows"):
+        eagle3_head.train(SETTINGS, tiny_pair.target, data, tmp_path / "a", progress=False)
+
+
 def test_training_learns_and_resumes_to_the_same_weights(tiny_pair, tmp_path):
     data = fake_shards(tmp_path / "data")
     full = eagle3_head.train(SETTINGS, tiny_pair.target, data, tmp_path / "a", progress=False)

@@ -247,8 +247,11 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / CHECKPOINT
     rows, num_shards = training_rows(data_dir, settings.max_len)
-    row_features, feature_seconds = stored_features(store_features(target_dir, data_dir, settings.aux_ids, settings.max_len, progress),
-                                   num_shards)
+    stored = store_features(target_dir, data_dir, settings.aux_ids, settings.max_len, progress)
+    row_features, feature_seconds = stored_features(stored, num_shards)
+    if [len(r["ids"]) for r in rows] != [len(aux) for aux, _ in row_features]:
+        raise ValueError(f"the stored features in {stored} do not match the teacher rows in {data_dir}; "
+                         "delete that folder to compute them again")
     state = torch.load(path, weights_only=False) if path.exists() else None
     if state is not None and state["settings"] != asdict(settings):
         raise ValueError(f"{path} was trained with other settings {state['settings']}; use another --work-dir")
