@@ -47,8 +47,8 @@ def test_the_draft_vocabulary_is_the_most_frequent_answer_tokens():
 def test_features_are_stored_once_per_teacher_shard_and_read_back_per_row(tiny_pair, tmp_path):
     data = fake_shards(tmp_path / "data", num_shards=2, rows=3)
     out = eagle3_head.store_features(tiny_pair.target, data, (0, 1, 2), 25, progress=False)
-    rows, num_shards = eagle3_head.training_rows(data, 25)
-    stored, _ = eagle3_head.stored_features(out, num_shards)
+    rows = eagle3_head.training_rows(data, 25)
+    stored, _ = eagle3_head.stored_features(out, 2)
     features = eagle3_head.TargetFeatures(tiny_pair.target, (0, 1, 2))
     assert len(stored) == len(rows) == 6
     for r, (aux, last) in zip(rows, stored):

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_dsbd.draft import teacher
+
 ATTENTION = "sdpa"
 CHECKPOINT = "head-checkpoint.pt"
 
@@ -145,9 +147,11 @@ def feature_dir(data_dir: Path, aux_ids: tuple[int, ...], max_len: int) -> Path:
     return Path(data_dir) / f"features-aux{'-'.join(map(str, sorted(set(aux_ids))))}-len{max_len}"
 
 
-def _shard_rows(data_dir: Path, index: int, max_len: int) -> list[dict]:
-    from vllm_dsbd.draft import teacher
+def _feature_path(out: Path, index: int) -> Path:
+    return out / f"features-{index:05d}.pt"
 
+
+def _shard_rows(data_dir: Path, index: int, max_len: int) -> list[dict]:
     rows = []
     for r in torch.load(teacher.shard_path(data_dir, index), weights_only=False)["rows"]:
         ids = (list(r["prompt"]) + list(r["answer"]))[:max_len]
@@ -163,16 +167,9 @@ def store_features(target_dir: Path, data_dir: Path, aux_ids: tuple[int, ...], m
     and shards the teacher adds later are computed when training next starts."""
     from tqdm import tqdm
 
-    from vllm_dsbd.draft import teacher
-
     out = feature_dir(data_dir, aux_ids, max_len)
     out.mkdir(parents=True, exist_ok=True)
-    todo = []
-    i = 0
-    while teacher.shard_path(data_dir, i).exists():
-        if not (out / f"features-{i:05d}.pt").exists():
-            todo.append(i)
-        i += 1
+    todo = [i for i in range(teacher.num_shards(data_dir)) if not _feature_path(out, i).exists()]
     if not todo:
         return out
     features = TargetFeatures(target_dir, aux_ids)
@@ -180,12 +177,12 @@ def store_features(target_dir: Path, data_dir: Path, aux_ids: tuple[int, ...], m
         started = time.monotonic()
         rows = _shard_rows(data_dir, i, max_len)
         pieces = [features(r["ids"]) for r in rows]
-        tmp = out / f"features-{i:05d}.tmp"
+        tmp = _feature_path(out, i).with_suffix(".tmp")
         torch.save({"lengths": [len(r["ids"]) for r in rows],
                     "aux": torch.cat([a for a, _ in pieces]).to(FEATURE_DTYPE),
                     "last": torch.cat([b for _, b in pieces]).to(FEATURE_DTYPE),
                     "seconds": round(time.monotonic() - started, 1)}, tmp)
-        tmp.replace(out / f"features-{i:05d}.pt")
+        tmp.replace(_feature_path(out, i))
     return out
 
 
@@ -194,7 +191,7 @@ def stored_features(out: Path, num_shards: int) -> tuple[list[tuple[torch.Tensor
     the seconds it took to compute them."""
     per_row, seconds = [], 0.0
     for i in range(num_shards):
-        shard = torch.load(out / f"features-{i:05d}.pt", mmap=True, weights_only=True)
+        shard = torch.load(_feature_path(out, i), mmap=True, weights_only=True)
         seconds += shard["seconds"]
         starts = [0]
         for n in shard["lengths"]:
@@ -214,18 +211,12 @@ def example(ids: list[int], prompt_len: int, aux: torch.Tensor, last: torch.Tens
             "document_ids": torch.zeros((1, n), dtype=torch.long)}
 
 
-def training_rows(data_dir: Path, max_len: int) -> tuple[list[dict], int]:
-    """Every (prompt, answer) row of the teacher shards in ``data_dir``, in shard order, cut to ``max_len``;
-    and the number of shards."""
-    from vllm_dsbd.draft import teacher
-
-    rows, i = [], 0
-    while teacher.shard_path(data_dir, i).exists():
-        rows += _shard_rows(data_dir, i, max_len)
-        i += 1
+def training_rows(data_dir: Path, max_len: int) -> list[dict]:
+    """Every (prompt, answer) row of the teacher shards in ``data_dir``, in shard order, cut to ``max_len``."""
+    rows = [r for i in range(teacher.num_shards(data_dir)) for r in _shard_rows(data_dir, i, max_len)]
     if not rows:
         raise ValueError(f"no teacher shards in {data_dir}: run the 'teach' stage first")
-    return rows, i
+    return rows
 
 
 def _lr(settings: HeadSettings, step: int, total: int) -> float:
@@ -246,9 +237,9 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / CHECKPOINT
-    rows, num_shards = training_rows(data_dir, settings.max_len)
+    rows = training_rows(data_dir, settings.max_len)
     stored = store_features(target_dir, data_dir, settings.aux_ids, settings.max_len, progress)
-    row_features, feature_seconds = stored_features(stored, num_shards)
+    row_features, feature_seconds = stored_features(stored, teacher.num_shards(data_dir))
     if [len(r["ids"]) for r in rows] != [len(aux) for aux, _ in row_features]:
         raise ValueError(f"the stored features in {stored} do not match the teacher rows in {data_dir}; "
                          "delete that folder to compute them again")

@@ -36,6 +36,14 @@ def shard_path(data_dir: Path, index: int) -> Path:
     return Path(data_dir) / f"shard-{index:05d}.pt"
 
 
+def num_shards(data_dir: Path) -> int:
+    """Shards 0, 1, ... in ``data_dir`` (up to the first missing one)."""
+    n = 0
+    while shard_path(data_dir, n).exists():
+        n += 1
+    return n
+
+
 def shard_prompts(num_shards: int, seed: int, seqs_per_shard: int) -> list[list[str]]:
     """The prompts of shards 0..num_shards-1; shard i's prompts do not depend on num_shards."""
     flat = training_prompts(num_shards * seqs_per_shard, seed)
