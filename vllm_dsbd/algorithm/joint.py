@@ -68,8 +68,7 @@ def joint_logprobs(beam_scores: Tensor, beam_valid: Tensor, token_logprobs: Tens
     norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
     beam_logp = (scores - norm).float()  # [G, B]
     joint = beam_logp[:, :, None] + token_logprobs.float()
-    joint = joint.masked_fill(~beam_valid[:, :, None], float("-inf"))
-    return joint.flatten(1)
+    return joint.masked_fill_(~beam_valid[:, :, None], float("-inf")).flatten(1)
 
 
 def restrict_joint(joint: Tensor, top_k: Tensor | None = None, top_p: Tensor | None = None) -> Tensor:
@@ -113,7 +112,8 @@ def joint_probs(
     Shapes as :func:`joint_logprobs`; top_k / top_p as :func:`restrict_joint`.
     Returns [G, B*V] float32, rows summing to 1 (0 for groups with no valid beam).
     """
-    return restrict_joint(joint_logprobs(beam_scores, beam_valid, token_logprobs), top_k, top_p).exp()
+    # in place: restrict_joint returns a new tensor or joint_logprobs' own
+    return restrict_joint(joint_logprobs(beam_scores, beam_valid, token_logprobs), top_k, top_p).exp_()
 
 
 def uniforms(generator: Generators, num_groups: int, num: int, device: torch.device | str) -> Tensor:

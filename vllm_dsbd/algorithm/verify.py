@@ -209,6 +209,7 @@ def verify_layer(
     generator: Generators,
     ladder: Tensor | None = None,
     ladder_levels: int = 0,
+    restricted: Tensor | None = None,
 ) -> LayerVerification:
     """Accept drafts of one layer for many groups (see the module docstring).
 
@@ -221,13 +222,15 @@ def verify_layer(
         ``Q'``, its first ``ladder_levels`` levels already computed; the others are
         computed when some group first needs them (a layer that accepts early
         computes few residuals).
+    restricted: ``Q'`` (:func:`restrict_to_parents`) when the caller has it.
     """
     num_groups, num_drafts = draft_index.shape
     device = target.device
     if not 1 <= num_out <= num_drafts:
         raise ValueError(f"num_out={num_out} must be in 1..{num_drafts} (the number of drafts per layer)")
     vocab = target.shape[-1] // parent_valid.shape[-1]
-    restricted = restrict_to_parents(draft_joint, parent_valid)
+    if restricted is None:
+        restricted = restrict_to_parents(draft_joint, parent_valid)
     if ladder is None:
         ladder = target.new_empty((num_drafts + 1, *target.shape))
     levels = _fill_ladder(ladder, ladder_levels, 0, target, restricted)
@@ -257,19 +260,45 @@ def verify_layer(
     passed = count >= width
     if bool(passed.all()):
         return LayerVerification(accepted, passed, out_index, out_draft, width.clone())
+    failed = (~passed).nonzero()[:, 0]
+    count, rejections = count[failed], rejections[failed]
     _fill_ladder(ladder, levels, int(rejections.max()), target, restricted)
-    u_out = u[:, num_drafts:]
-    from_residual = sample_from_uniforms(ladder[rejections, groups], u_out)  # [G, W_out]
-    from_target = sample_from_uniforms(target, u_out)
+    u_out = u[failed, num_drafts:]
     slots = torch.arange(num_out, device=device)[None, :]
-    fresh = torch.where(slots == count[:, None], from_residual, from_target)
-    fail_index = torch.where(slots < count[:, None], out_index[:, :num_out], fresh)
-    fail_draft = torch.where(slots < count[:, None], out_draft[:, :num_out], -1)
-    failed = ~passed[:, None]
-    out_index[:, :num_out] = torch.where(failed, fail_index, out_index[:, :num_out])
-    out_draft[:, :num_out] = torch.where(failed, fail_draft, out_draft[:, :num_out])
+    # slot `count` is a draw from the current residual, later slots fresh draws from P (only where some exist)
+    fresh = torch.zeros_like(u_out, dtype=torch.long)
+    if bool((count < num_out).any()):
+        fresh = sample_from_uniforms(_residuals(ladder, rejections, failed), u_out)  # [F, W_out]
+    if bool((count + 1 < num_out).any()):
+        fresh = torch.where(slots == count[:, None], fresh, sample_from_uniforms(_rows(target, failed), u_out))
+    earlier = slots < count[:, None]
+    out_index[failed, :num_out] = torch.where(earlier, out_index[failed, :num_out], fresh)
+    out_draft[failed, :num_out] = torch.where(earlier, out_draft[failed, :num_out], -1)
     out_count = torch.where(passed, width, num_out)
     return LayerVerification(accepted, passed, out_index, out_draft, out_count)
+
+
+def _rows(values: Tensor, rows: Tensor) -> Tensor:
+    """``values[rows]``: a view, not a copy, when ``rows`` is every row in order (one group, most often)."""
+    if rows.numel() == values.shape[0] and bool((rows == torch.arange(rows.numel(), device=rows.device)).all()):
+        return values
+    return values[rows]
+
+
+def _residuals(ladder: Tensor, levels: Tensor, rows: Tensor) -> Tensor:
+    """``ladder[levels[k], rows[k]]`` for each k: [K, N] (a view for one row)."""
+    if rows.numel() == 1:
+        return ladder[int(levels[0]), int(rows[0])][None]
+    return ladder[levels, rows]
+
+
+def _child_scores(parent_scores: Tensor, logprobs: Tensor, index: Tensor) -> Tensor:
+    """Target scores ``S_parent + log p_T(token | parent)`` of flat pairs ``index`` [g, S], float64.
+
+    parent_scores: [g, W] float64. logprobs: [g, W, V]. Only the pairs asked for are computed.
+    """
+    vocab = logprobs.shape[-1]
+    return parent_scores.gather(1, index // vocab) + logprobs.flatten(1).gather(1, index).double()
 
 
 @dataclass
@@ -309,13 +338,13 @@ class ForestVerification:
             out_draft=full((num_groups, width), -1), out_count=full((num_groups,), 0),
         )
 
-    def _store_outputs(self, rows: Tensor, index: Tensor, child_scores: Tensor, drafts: Tensor | None,
+    def _store_outputs(self, rows: Tensor, index: Tensor, scores: Tensor, drafts: Tensor | None,
                        vocab: int) -> None:
-        """Output pairs of groups ``rows``: flat ``index`` [g, W_out] into ``child_scores`` [g, W*V]."""
+        """Output pairs of groups ``rows``: flat ``index`` [g, W_out] and their target ``scores``."""
         num_out = index.shape[1]
         self.out_parent[rows, :num_out] = index // vocab
         self.out_token[rows, :num_out] = index % vocab
-        self.out_score[rows, :num_out] = child_scores.gather(1, index)
+        self.out_score[rows, :num_out] = scores
         self.out_draft[rows, :num_out] = -1 if drafts is None else drafts
         self.out_count[rows] = num_out
 
@@ -369,20 +398,21 @@ def verify_forest(
         rows = active.nonzero()[:, 0]
         if rows.numel() == 0:
             break
-        lp = target_logprobs[rows, i - 1]  # [g, W, V] at the parents
-        target = joint_probs(parent_scores[rows], parent_valid[rows], lp, _select(top_k, rows), _select(top_p, rows))
-        child_scores = (parent_scores[rows][:, :, None] + lp.double()).flatten(1)  # [g, W*V]
+        lp = _rows(target_logprobs[:, i - 1], rows)  # [g, W, V] at the parents
+        scores = parent_scores[rows]
+        target = joint_probs(scores, parent_valid[rows], lp, _select(top_k, rows), _select(top_p, rows))
 
         bonus = num_layers[rows] == i - 1  # every draft layer passed: draw from the children
         if bool(bonus.any()):
-            index = sample_from_uniforms(target[bonus], uniforms(_generators(generator, rows[bonus]),
-                                                                 int(bonus.sum()), num_out, device))
-            out._store_outputs(rows[bonus], index, child_scores[bonus], None, vocab)
-            active[rows[bonus]] = False
-        check = ~bonus
-        if not bool(check.any()):
+            b = bonus.nonzero()[:, 0]
+            index = sample_from_uniforms(_rows(target, b), uniforms(_generators(generator, rows[b]),
+                                                                    b.numel(), num_out, device))
+            out._store_outputs(rows[b], index, _child_scores(scores[b], _rows(lp, b), index), None, vocab)
+            active[rows[b]] = False
+        check = (~bonus).nonzero()[:, 0]
+        if check.numel() == 0:
             continue
-        rows, target, child_scores = rows[check], target[check], child_scores[check]
+        rows, target, lp, scores = rows[check], _rows(target, check), _rows(lp, check), scores[check]
         layer = i - 1
         valid = parent_valid[rows]
         draft_index = draft_parents[rows, layer] * vocab + draft_tokens[rows, layer]  # [g, W]
@@ -398,13 +428,14 @@ def verify_forest(
             levels = width + 1
             layer_width = choose_width(acceptance_count_distribution(alpha), width_threshold[rows], min_width[rows])
         res = verify_layer(target, q, valid, draft_index, draft_exists[rows, layer], layer_width, num_out,
-                           _generators(generator, rows), ladder, levels)
+                           _generators(generator, rows), ladder, levels, restricted)
         out.widths[rows, layer] = layer_width
         out.accepted[rows, layer] = res.accepted
-        out.node_scores[rows, layer] = child_scores.gather(1, draft_index)
+        out.node_scores[rows, layer] = _child_scores(scores, lp, draft_index)
 
         failed = ~res.passed
-        out._store_outputs(rows[failed], res.out_index[failed, :num_out], child_scores[failed],
+        out_index = res.out_index[:, :num_out]
+        out._store_outputs(rows[failed], out_index[failed], _child_scores(scores, lp, out_index)[failed],
                            res.out_draft[failed, :num_out], vocab)
         out.num_passed[rows[failed]] = i - 1
         active[rows[failed]] = False

@@ -148,14 +148,19 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
     vocab = path_logits[0].shape[-1]
     num_nodes = (num_layers + 1) * width
     node_logits = torch.zeros((num_nodes, vocab))
-    filled = torch.zeros(num_nodes, dtype=torch.bool)
+    filled: set[int] = set()
     for path, rows in zip(vs.paths, path_logits):
-        for node, row in zip(path, rows.float()):
-            if not filled[node]:
-                node_logits[node], filled[node] = row, True
+        for node, row in zip(path, rows):
+            if node not in filled:
+                node_logits[node] = row
+                filled.add(node)
     for leaf, twin in vs.aliases:  # a leaf drawn twice: computed once, on its twin's path
         node_logits[leaf] = node_logits[twin]
-    raw = torch.log_softmax(node_logits, dim=-1)  # [nodes, V]
+    if vs.temperature > 0:
+        target = tempered_logprobs(node_logits, vs.temperature)  # [nodes, V]
+        raw = _RawLogprobs(node_logits, target if vs.temperature == 1 else None)
+    else:
+        raw = torch.log_softmax(node_logits, dim=-1)  # [nodes, V]
     parents = torch.tensor(vs.draft_parents, dtype=torch.long).reshape(1, num_layers, width)
     tokens = torch.tensor(vs.draft_tokens, dtype=torch.long).reshape(1, num_layers, width)
     exists = torch.tensor(vs.draft_exists, dtype=torch.bool).reshape(1, num_layers, width)
@@ -172,9 +177,8 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
 
     proposed = exists[0].sum(-1).tolist()
     if vs.temperature > 0:
-        target = tempered_logprobs(node_logits, vs.temperature).reshape(1, num_layers + 1, width, vocab)
         res = verify_forest(
-            target, root_scores, root_valid, draft_joints[None], parents, tokens, exists,
+            target.reshape(1, num_layers + 1, width, vocab), root_scores, root_valid, draft_joints[None], parents, tokens, exists,
             torch.tensor([num_layers]), torch.tensor([vs.width_threshold]), vs.min_width, vs.num_out,
             generator(vs.seed, vs.step, VERIFY_SALT), torch.tensor([vs.top_k]), torch.tensor([vs.top_p]),
             vs.eos_token_id, ignore_eos, vs.stop_token_ids, node_finishes,
@@ -267,7 +271,22 @@ def node_token_finishes(vs: VerifyStep, completes):
     return finishes
 
 
-def _path_logprobs(raw: Tensor, parent_node: int, token: int, vs: VerifyStep, width: int,
+class _RawLogprobs:
+    """``log_softmax(node_logits)`` row by row, for the few nodes whose log-probs are reported (``T > 0``:
+    verification itself reads the tempered ones). ``same``: the whole table when ``T = 1`` made it already."""
+
+    def __init__(self, node_logits: Tensor, same: Tensor | None) -> None:
+        self._logits, self._same, self._rows = node_logits, same, {}
+
+    def __getitem__(self, node: int) -> Tensor:
+        if self._same is not None:
+            return self._same[node]
+        if node not in self._rows:
+            self._rows[node] = torch.log_softmax(self._logits[node], dim=-1)
+        return self._rows[node]
+
+
+def _path_logprobs(raw: Tensor | _RawLogprobs, parent_node: int, token: int, vs: VerifyStep, width: int,
                    num_logprobs: int) -> tuple[TokenLogprob, ...]:
     """Raw target log-probs of the tokens from the root to ``parent_node``, then of ``token``."""
     chain = [(parent_node, token)]
