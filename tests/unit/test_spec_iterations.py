@@ -200,3 +200,36 @@ def test_a_leaf_drawn_twice_is_verified_once_and_its_beams_continue_on_its_twin(
     assert forks == [("p0", 10)]
     assert [b.tokens for b in group.beams] == [[7, 9], [7, 10], [8, 11]]
     assert not any(isinstance(op, Free) for op in effects.ops)  # both path requests carry new beams
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.8), (7, 0.9)])
+def test_a_heads_draft_layer_draws_what_sampling_over_the_whole_vocabulary_draws(top_k, top_p):
+    """An EAGLE-3 head's logits are -inf outside its draft vocabulary, so draft_layer samples over those
+    columns only (engine.spec_step._draft_support). Per seed it draws the same nodes, with the same scores and
+    the same joint Q (0 outside the draft vocabulary), as the joint over all V tokens does."""
+    from vllm_dsbd.algorithm import joint_probs, sample_joint, tempered_logprobs
+    from vllm_dsbd.engine.protocol import DraftStep
+    from vllm_dsbd.engine.spec_step import generator
+
+    width, vocab = 4, 1000
+    gen = torch.Generator().manual_seed(3)
+    own = torch.randperm(vocab, generator=gen)[:300]  # the head's draft vocabulary, in no particular order
+    for seed in range(40):
+        logits = torch.full((3, vocab), float("-inf"))
+        logits[:, own] = 2.0 * torch.randn((3, own.numel()), generator=gen)
+        ds = DraftStep(group_id="g", beam_width=width, temperature=0.8, top_k=top_k, top_p=top_p,
+                       length_penalty=1.0, ignore_eos=False, eos_token_id=0, seed=seed, step=5, layer=2,
+                       req_ids=("a", "b", "c"), slots=(0, 2, 3), scores=(-0.5, -1.0, -2.5), seq_len=9)
+        decision, q = draft_layer(logits, {"a": 0, "b": 1, "c": 2}, ds)
+
+        lp = torch.zeros((width, vocab))
+        lp[[0, 2, 3]] = tempered_logprobs(logits, 0.8)
+        scores = torch.tensor([[-0.5, float("-inf"), -1.0, -2.5]], dtype=torch.float64)
+        valid = torch.tensor([[True, False, True, True]])
+        want_q = joint_probs(scores, valid, lp[None], torch.tensor([top_k]), torch.tensor([top_p]))
+        draws = sample_joint(want_q, width, generator(seed, 5, 2))[0]
+        assert decision.parents == (draws // vocab).tolist() and decision.tokens == (draws % vocab).tolist()
+        assert decision.scores == pytest.approx((scores[0, draws // vocab] + lp[draws // vocab, draws % vocab]
+                                                 .double()).tolist(), abs=1e-5)
+        torch.testing.assert_close(q, want_q[0], atol=1e-6, rtol=1e-5)
+        assert bool((q.view(width, vocab)[:, own.sort().values].sum() - 1).abs() < 1e-5)

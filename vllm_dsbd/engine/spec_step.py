@@ -93,12 +93,19 @@ def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep) -> tup
     scores = torch.full((1, width), float("-inf"), dtype=torch.float64)
     scores[0, slots] = torch.tensor(ds.scores, dtype=torch.float64)
     if ds.temperature > 0:
-        lp = torch.zeros((width, vocab))
-        lp[slots] = tempered_logprobs(parent_logits, ds.temperature)
-        q = joint_probs(scores, valid, lp[None], torch.tensor([ds.top_k]), torch.tensor([ds.top_p]))  # [1, W*V]
+        support = _draft_support(parent_logits)  # [K] token ids, or None: (almost) the whole vocabulary
+        columns = parent_logits if support is None else parent_logits[:, support]
+        lp = torch.zeros((width, columns.shape[-1]))
+        lp[slots] = tempered_logprobs(columns, ds.temperature)
+        q = joint_probs(scores, valid, lp[None], torch.tensor([ds.top_k]), torch.tensor([ds.top_p]))  # [1, W*K]
         draws = sample_joint(q, width, generator(ds.seed, ds.step, ds.layer, logits.device))[0]
-        parents, tokens = draws // vocab, draws % vocab
-        new_scores = scores[0, parents] + lp[parents, tokens].double()
+        parents, columns_drawn = draws // lp.shape[-1], draws % lp.shape[-1]
+        new_scores = scores[0, parents] + lp[parents, columns_drawn].double()
+        tokens = columns_drawn if support is None else support[columns_drawn]
+        if support is not None:  # Q over the whole vocabulary, 0 outside the draft's: what verification reads
+            full = torch.zeros((width, vocab))
+            full[:, support] = q.view(width, -1)
+            q = full.view(1, -1)
         return DraftDecision(ds.group_id, parents.tolist(), tokens.tolist(), new_scores.tolist()), q[0]
     lp = torch.zeros((width, vocab))
     lp[slots] = torch.log_softmax(parent_logits, dim=-1)
@@ -108,6 +115,18 @@ def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep) -> tup
     keep = step.valid[0]
     return DraftDecision(ds.group_id, step.parents[0][keep].tolist(), step.tokens[0][keep].tolist(),
                          step.cum_logprobs[0][keep].tolist()), None
+
+
+def _draft_support(logits: Tensor) -> Tensor | None:
+    """The tokens a draft can propose: columns of ``logits`` [P, V] finite in some row (an EAGLE-3 head's draft
+    vocabulary; every other logit is -inf), or None when that is most of the vocabulary (a draft model).
+
+    Sampling over these columns only draws exactly what sampling over all V does (the others have
+    probability 0, and the column order keeps the token order that ties and top-k follow), at a fraction of
+    the cost when a head's vocabulary is small."""
+    finite = torch.isfinite(logits).any(0)
+    support = finite.nonzero()[:, 0]
+    return support if 0 < support.numel() <= logits.shape[-1] // 2 else None
 
 
 def shared_node_rows(verify_steps: Sequence[VerifyStep], row_start: Mapping[str, int], num_rows: int) -> Tensor | None:
