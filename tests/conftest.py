@@ -216,6 +216,17 @@ def dsbd_spec_target_llm(engine_pool, target_path):
         str(target_path), str(pairs.prepare().draft), 5)))
 
 
+@pytest.fixture
+def shipped_head_llm(engine_pool, target_path):
+    """DSBD with speculation on the default target, drafted by the shipped EAGLE-3 head (γ <= 3; pooled)."""
+    from vllm import LLM
+
+    from vllm_dsbd import models
+
+    return engine_pool.get("shipped_head_llm", lambda: LLM(**dsbd_spec_engine_kwargs(
+        str(target_path), str(models.default_head_path()), 3)))
+
+
 # The Ray cluster's memory resource: what actors that declare ``memory=`` may reserve in all.
 RAY_MEMORY = 6 << 30
 

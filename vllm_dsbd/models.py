@@ -132,6 +132,12 @@ def default_draft_path(cache_dir: str | os.PathLike | None = None) -> Path | Non
     return path if is_complete(path) else None
 
 
+def default_head_path() -> Path:
+    """The EAGLE-3 head trained here for the default target, shipped in ``vllm_dsbd/draft/default-head``
+    (speculators format, no embeddings: it shares the target's). Pass it as the DSBD ``model``."""
+    return Path(__file__).parent / "draft" / "default-head"
+
+
 def prepare_default_pair(cache_dir: str | os.PathLike | None = None) -> PreparedModels:
     """Prepare the default (target, draft) pair."""
     from vllm_dsbd.draft import prepare_default_draft

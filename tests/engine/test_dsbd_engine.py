@@ -40,11 +40,23 @@ def test_lossless_speculative_beam_search_with_eos(dsbd_tiny_spec_llm, tiny_eos_
 @pytest.mark.parametrize("width, gamma", [(2, 1), (4, 3), (8, 5)])
 def test_lossless_speculative_beam_search_on_smollm2(dsbd_spec_target_llm, target_llm, width, gamma):
     """The default pair: n = W best of DSBD's beam search (γ per request) equal vLLM's built-in beam search."""
+    _assert_lossless_on_smollm2(dsbd_spec_target_llm, target_llm, width, gamma)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("width, gamma", [(2, 1), (4, 3)])
+def test_lossless_speculative_beam_search_on_smollm2_with_the_shipped_head(shipped_head_llm, target_llm, width,
+                                                                           gamma):
+    """The same with the EAGLE-3 head that ships for the default target (vllm_dsbd/draft/default-head)."""
+    _assert_lossless_on_smollm2(shipped_head_llm, target_llm, width, gamma)
+
+
+def _assert_lossless_on_smollm2(llm, target_llm, width, gamma):
     tok = target_llm.get_tokenizer()
     prompts = [PROMPTS[0], PROMPTS[2], tok.apply_chat_template([{"role": "user", "content": "Name a colour."}],
                                                                tokenize=False, add_generation_prompt=True)]
     want = beam_search(target_llm, prompts, width, 10)
-    got = dsbd_spec_target_llm.generate(prompts, _beam_request(width, gamma, 10), use_tqdm=False)
+    got = llm.generate(prompts, _beam_request(width, gamma, 10), use_tqdm=False)
     for w, g in zip(want, got):
         prompt_len = len(g.prompt_token_ids)
         assert [list(c.token_ids) for c in g.outputs] == [s.tokens[prompt_len:] for s in w.sequences]
