@@ -101,8 +101,9 @@ def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep) -> tup
         draws = sample_joint(q, width, generator(ds.seed, ds.step, ds.layer, logits.device))[0]
         parents, columns_drawn = draws // lp.shape[-1], draws % lp.shape[-1]
         new_scores = scores[0, parents] + lp[parents, columns_drawn].double()
-        tokens = columns_drawn if support is None else support[columns_drawn]
-        if support is not None:  # Q over the whole vocabulary, 0 outside the draft's: what verification reads
+        tokens = columns_drawn
+        if support is not None:  # token ids, and Q over the whole vocabulary (0 outside the draft's) to verify
+            tokens = support[columns_drawn]
             full = torch.zeros((width, vocab))
             full[:, support] = q.view(width, -1)
             q = full.view(1, -1)
