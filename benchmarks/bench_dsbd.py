@@ -15,7 +15,8 @@ which the script checks and records) or beam sampling (T > 0, seeded).
 warmed up on a short run first; the timed runs process the prompts as one
 batch (``--batch all``) or one after another (``--batch 1``, the default: latency),
 interleaved: each prompt runs every row in turn, so a drift of the machine's
-speed during the run hits every row alike. Rows with
+speed during the run hits every row alike (``--repeat N``: all of it N times,
+still interleaved). Rows with
 ``--auto`` let the engine choose γ per iteration (``auto_depth``, at most ``--auto-max``).
 Besides wall time, each row records from the engine's own counters
 (``llm.get_metrics()``) its DSBD iterations, i.e. target forwards per group,
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = load_prompts(Path(args.prompts_file), args.num_prompts, tokenizer)
     inputs = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
-    batches = [inputs] if args.batch == "all" else [[x] for x in inputs]
+    batches = ([inputs] if args.batch == "all" else [[x] for x in inputs]) * args.repeat
     auto_max = (args.auto_max or max(gammas)) if args.auto else 0  # γmax of the auto_depth rows
     vocab_sizes = [int(v) for v in args.draft_vocab_sizes.split(",")]
     rows, baselines = [], {}  # baselines: temperature -> (seconds, tokens, forward seconds) of in-engine decoding
@@ -122,6 +123,7 @@ def run(args: argparse.Namespace) -> dict:
                      "max_tokens": args.max_tokens, "num_prompts": len(prompts),
                      "prompt_ids": [p.id for p in prompts],
                      "batch": "all prompts" if args.batch == "all" else "1 (prompts one after another)",
+                     "repeat": args.repeat,
                      "ignore_eos": True, "seed": args.seed, **dtype.as_dict(), "draft_dtype": args.draft_dtype,
                      "block_size": 32,
                      "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")},
@@ -252,6 +254,9 @@ def main() -> None:
     parser.add_argument("--pair", default="default", help="model pair (vllm-dsbd models prepare --pair NAME)")
     parser.add_argument("--batch", choices=("1", "all"), default="1",
                         help="1: prompts one after another (latency); all: the prompts as one batch")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the prompts this many times, every row in turn each time (times summed): "
+                             "on a noisy machine, one batch of 16 prompts per row varies by 10 %% run to run")
     parser.add_argument("--auto", action="store_true",
                         help="also rows with auto_depth (γ chosen per iteration, at most --auto-max)")
     parser.add_argument("--auto-max", type=int, default=None, help="γmax of the auto rows (default: the largest γ)")

@@ -87,13 +87,19 @@ def test_auto_depth_fixed_width_is_distributed_as_beam_sampling(dsbd_tiny_spec_l
 
 def test_a_useless_draft_makes_auto_depth_stop_speculating(dsbd_tiny_spec_llm):
     """The tiny draft is an unrelated random model: at T = 0 its top-W beams are never the target's, so
-    after a few probes the engine takes plain beam steps (depth 0); the fixed depth would draft 3 layers."""
+    after a few probes the engine takes plain beam steps (depth 0); the fixed depth would draft 3 layers.
+    A depth-0 iteration is decided as a beam step, not as the verification of an empty forest."""
     names = ("vllm:spec_decode_num_drafts", "vllm:dsbd_draft_layers", "vllm:spec_decode_num_accepted_tokens")
     before = [engine_metric(dsbd_tiny_spec_llm, n) for n in names]
+    steps = lambda: {kind: p["steps"] for kind, p in dsbd_tiny_spec_llm.collective_rpc(  # noqa: E731
+        "dsbd_step_profile")[0].items()}
+    steps_before = steps()
     dsbd_tiny_spec_llm.generate(PROMPTS, _auto_request(4, 40, ignore_eos=True), use_tqdm=False)
     iterations, layers, _ = (engine_metric(dsbd_tiny_spec_llm, n) - b for n, b in zip(names, before))
     assert iterations >= 3 * 30  # about one token per iteration
     assert layers / iterations < 0.25
+    new_steps = {kind: n - steps_before.get(kind, 0) for kind, n in steps().items()}
+    assert new_steps.get("beam", 0) > 3 * new_steps.get("verify", 0), new_steps
 
 
 def test_auto_depth_frees_all_kv_after_finish_and_abort(dsbd_tiny_spec_llm):

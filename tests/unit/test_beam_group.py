@@ -196,3 +196,20 @@ def test_mjsd_and_dsbd_groups_never_share_depth_statistics():
 
     assert _depth_key(group()) == _depth_key(group())
     assert _depth_key(group(mjsd_tau=0.5)) != _depth_key(group())
+
+
+@pytest.mark.parametrize("kw, plain", [({}, True), ({"memory_efficient": True, "n": 1}, False),
+                                       ({"mjsd_tau": 0.5, "n": 1}, False)])
+def test_an_iteration_without_draft_layers_is_a_beam_step_unless_mjsd_or_memory_efficient(kw, plain):
+    """Depth 0 (auto_depth, or the last token): a DSBD group's paths are its beams, so the iteration is
+    planned and committed as one beam step, which ends it; MJSD verifies one path and a memory-efficient
+    verification outputs one beam, so theirs stay verifications."""
+    group, _ = three_beam_group(num_speculative_tokens=2, **kw)
+    group.start_iteration(0)
+    assert group.in_iteration and group.plain_iteration is plain
+    group.start_iteration(1)
+    assert not group.plain_iteration  # it drafts first
+    if plain:
+        group.start_iteration(0)
+        group.apply(decision([(0, 13, -1.5), (1, 14, -2.5), (0, 15, -2.6)]))
+        assert not group.in_iteration and group.path_requests == [] and group.num_generated == 2

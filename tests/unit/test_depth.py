@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from vllm_dsbd.algorithm.depth import DepthPolicy, LinearCost, expected_tokens, iteration_seconds
+from vllm_dsbd.algorithm.depth import Batch, DepthPolicy, LinearCost, expected_tokens, iteration_seconds
 
 KEY = (False, 1.0, 4, False, 0, 1.0)
 
@@ -69,13 +69,42 @@ def test_depth_maximises_the_modelled_rate():
     for k in range(40):  # alpha about 0.7
         policy.observe_iteration(KEY, "g", 2, 2 if k % 10 < 5 else (1 if k % 10 < 7 else 0))
     alpha = policy.alpha(KEY, "g")
-    rates = [expected_tokens(alpha, d) / iteration_seconds(d, 4, 8, policy.draft, policy.target) for d in range(5)]
-    best = 0
-    for depth in range(1, 5):  # deeper only when better by the margin
-        if rates[depth] > rates[best] * (1 + policy.margin):
-            best = depth
+    seconds = [iteration_seconds(d, 4, 8, policy.draft, policy.target) for d in range(5)]
+    rates = [expected_tokens(alpha, d) / seconds[d] for d in range(5)]
+    # what speculation adds to a plain iteration counts 1 + margin times
+    cautious = [expected_tokens(alpha, d) / (seconds[0] + (1 + policy.margin) * (seconds[d] - seconds[0]))
+                for d in range(5)]
+    best = max(range(5), key=cautious.__getitem__)
     assert policy.choose(KEY, "g", max_depth=4, width=4, draft_lag=8) == best
-    assert max(rates) > rates[0] * 1.1  # the case is one where speculating pays
+    assert best > 0 and max(rates) > rates[0] * 1.1  # the case is one where speculating pays
+    assert cautious[best] < rates[best]
+
+
+def test_iteration_seconds_alone_and_in_a_batch():
+    """Alone, an iteration is its draft steps and one target step over its forest; in a batch the target
+    step also computes the others' tokens and k drafting groups share each draft step's fixed cost."""
+    policy = _policy(0.01)  # draft step: 0.18 + 0.01 n; target step: 0.7 + 0.04 n
+    alone = iteration_seconds(2, 4, 8, policy.draft, policy.target)
+    assert alone == pytest.approx((0.18 + 0.01 * 8) + (0.18 + 0.01 * 4) + 0.7 + 0.04 * 12)
+    batch = Batch(streams=5, other_tokens=20, drafting=3)
+    shared = iteration_seconds(2, 4, 8, policy.draft, policy.target, batch)
+    assert shared == pytest.approx(2 * 0.18 / 3 + 0.01 * (8 + 4) + 0.7 + 0.04 * (20 + 12))
+    assert iteration_seconds(0, 4, 8, policy.draft, policy.target, batch) == pytest.approx(0.7 + 0.04 * 24)
+    with pytest.raises(ValueError, match="at least this group"):
+        Batch(streams=0)
+
+
+def test_a_draft_that_pays_alone_steps_aside_in_a_full_batch():
+    """The same draft and acceptance: alone it speculates; among 15 other groups decoding 60 tokens per
+    target step a draft step of its own stalls all of them, so depth 0 (rate (G - 1 + E) / seconds)."""
+    policy = _policy(0.01, target_fixed=1.0, target_per_token=0.02)
+    for _ in range(20):
+        policy.observe_iteration(KEY, "g", 2, 2)
+    assert policy.choose(KEY, "g", max_depth=3, width=4, draft_lag=4, probe=False) >= 1
+    crowd = Batch(streams=16, other_tokens=60, drafting=1)
+    assert policy.choose(KEY, "g", max_depth=3, width=4, draft_lag=4, probe=False, batch=crowd) == 0
+    seconds = [iteration_seconds(d, 4, 4, policy.draft, policy.target, crowd) for d in range(4)]
+    assert all((15 + expected_tokens(policy.alpha(KEY, "g"), d)) / seconds[d] < 16 / seconds[0] for d in (1, 2, 3))
 
 
 def test_a_new_group_starts_from_the_engine_estimate_and_its_own_outcomes_move_it():
@@ -145,3 +174,24 @@ def test_a_look_ahead_without_probing_neither_probes_nor_delays_the_next_probe()
         if depth and due is None:
             due = i
     assert due is not None  # the probes did come
+
+
+def test_in_a_batch_probes_stay_within_their_budget_of_the_engine_time():
+    """16 groups of one decoding kind, each choosing once per target step, a useless draft: each choice
+    counts its share (1/G) of the step, so all probes together cost at most probe_budget of the engine's
+    time (counting a full step per choice would probe about G times as often)."""
+    policy = _policy(0.05)  # a slow draft far behind: a probe costs 2.3 s, a step 3.3 s
+    crowd = Batch(streams=16, other_tokens=60)
+    for g in range(16):
+        for _ in range(20):
+            policy.observe_iteration(KEY, f"g{g}", 1, 0)
+    num_steps, probes = 400, 0
+    for _ in range(num_steps):
+        for g in range(16):
+            if policy.choose(KEY, f"g{g}", max_depth=4, width=4, draft_lag=40, batch=crowd):
+                probes += 1
+                policy.observe_iteration(KEY, f"g{g}", 1, 0)
+    plain = iteration_seconds(0, 4, 40, policy.draft, policy.target, crowd)
+    extra = iteration_seconds(1, 4, 40, policy.draft, policy.target, crowd) - plain
+    assert probes >= 3
+    assert probes * extra <= policy.probe_budget * num_steps * plain

@@ -6,7 +6,7 @@ asks it, before each DSBD iteration of a group, how many draft layers to
 build. The choice depends only on earlier steps, so every iteration stays
 exact (any γ verifies exactly; γ = 0 is a plain beam step).
 
-Model (one group, as if alone in the batch):
+Model (one group; what it shares its steps with is a :class:`Batch`):
 
 - **Step costs.** A draft step and a target step each cost
   ``c(n) = a + b n`` seconds for ``n`` tokens computed in the step
@@ -18,16 +18,23 @@ Model (one group, as if alone in the batch):
   and yields ``k + 1`` tokens, so ``E[tokens | γ] = sum_{i=0..γ} α^i``.
   ``α`` is estimated per group, shrunk toward the engine-wide estimate for
   groups decoding the same way (:class:`AcceptanceStats`).
-- **Choice**: the γ with the highest modelled rate ``E[tokens | γ] / seconds``,
-  where a deeper γ must beat every shallower one by ``margin`` (the model is
-  rough: one α for every depth, paths counted as ``W (γ + 1)`` tokens;
-  measured on the Qwen pair, deeper forests cost more than it predicts).
+- **Choice**: the γ with the highest modelled rate of the engine,
+  ``(G - 1 + E[tokens | γ]) / seconds``, where the seconds speculation adds
+  to a plain iteration count ``1 + margin`` times (the model is rough: one
+  α for every depth, paths counted as ``W (γ + 1)`` tokens; measured on the
+  Qwen pair, deeper forests cost more than it predicts).
 - **Cost of an iteration** with ``W`` live beams whose draft KV lags
-  ``lag`` tokens behind (the draft has not seen them yet):
-  ``γ = 0``: one target step over ``W`` tokens; ``γ ≥ 1``: a first draft
-  step over ``lag`` tokens, ``γ - 1`` draft steps over ``W`` tokens, one
-  target step over ``W (γ + 1)`` tokens (every root-to-leaf path of the
-  forest).
+  ``lag`` tokens behind (the draft has not seen them yet), in a batch of
+  ``G`` decoding streams (this group, other groups, plain requests) whose
+  target step computes ``N`` tokens besides this group's, ``k`` groups
+  drafting (this one included): ``γ = 0``: one target step over ``N + W``
+  tokens; ``γ ≥ 1``: a first draft step over ``lag`` tokens, ``γ - 1``
+  draft steps over ``W`` tokens, each draft step's fixed cost shared by the
+  ``k`` groups, and one target step over ``N + W (γ + 1)`` tokens (every
+  root-to-leaf path of the forest). The other streams gain one token each
+  whatever this group does, so alone (``G = k = 1``, ``N = 0``) the rate is
+  ``E[tokens | γ] / seconds``; in a full batch a draft step stalls
+  everyone, and the same draft that pays alone may not.
 
 Exploration: a γ never tried tells nothing about itself. Until the draft's
 cost has been measured the policy drafts one layer; while the model says
@@ -35,9 +42,11 @@ cost has been measured the policy drafts one layer; while the model says
 choices were made *and* the probe's extra cost (the draft catching up on
 every token it has not seen, which grows while γ = 0) is at most
 ``probe_budget`` of the time those choices took (the probing iteration's
-own plain cost included); the interval doubles after
-each probe (up to ``max_probe_interval``). So a useless draft costs at most
-about ``probe_budget`` of the time, and less as probes thin out.
+own plain cost included); the interval doubles after each probe (up to
+``max_probe_interval``). In a batch a choice counts ``1 / G`` (its share
+of a step), so both the interval and the time are the engine's. So a
+useless draft costs at most about ``probe_budget`` of the time, and less as
+probes thin out.
 """
 
 from __future__ import annotations
@@ -108,12 +117,31 @@ def expected_tokens(alpha: float, depth: int) -> float:
     return sum(alpha**i for i in range(depth + 1))
 
 
-def iteration_seconds(depth: int, width: int, draft_lag: int, draft: LinearCost, target: LinearCost) -> float:
-    """Predicted seconds of one iteration (see the module docstring); needs both costs measured for depth > 0."""
+@dataclass(frozen=True)
+class Batch:
+    """What a group's iteration shares its engine steps with (see the module docstring)."""
+
+    streams: int = 1  # G: decoding streams in the target step, this group included (a group is one)
+    other_tokens: int = 0  # N: tokens the target step computes for the others
+    drafting: int = 1  # k: groups drafting in the draft steps, this group included
+
+    def __post_init__(self) -> None:
+        if self.streams < 1 or self.drafting < 1 or self.other_tokens < 0:
+            raise ValueError(f"a batch has at least this group: {self}")
+
+
+ALONE = Batch()
+
+
+def iteration_seconds(depth: int, width: int, draft_lag: int, draft: LinearCost, target: LinearCost,
+                      batch: Batch = ALONE) -> float:
+    """Predicted engine seconds of one iteration (see the module docstring); needs both costs measured for
+    depth > 0."""
     if depth == 0:
-        return target.predict(width)
-    seconds = draft.predict(max(draft_lag, width)) + (depth - 1) * draft.predict(width)
-    return seconds + target.predict(width * (depth + 1))
+        return target.predict(batch.other_tokens + width)
+    fixed, per_token = draft.coefficients()
+    draft_seconds = depth * fixed / batch.drafting + per_token * (max(draft_lag, width) + (depth - 1) * width)
+    return draft_seconds + target.predict(batch.other_tokens + width * (depth + 1))
 
 
 @dataclass
@@ -125,12 +153,12 @@ class DepthPolicy:
     probe_interval: int = 4
     max_probe_interval: int = 64
     probe_budget: float = 0.02  # the most a probe's extra cost may be, as a share of the depth-0 time before it
-    margin: float = 0.05  # a deeper γ must beat the best shallower one's modelled rate by this share
+    margin: float = 0.15  # speculating is taken to cost this share more than modelled (deeper forests do)
     draft: LinearCost = field(default_factory=LinearCost)
     target: LinearCost = field(default_factory=LinearCost)
     _engine: dict[object, AcceptanceStats] = field(default_factory=dict)
     _groups: dict[str, AcceptanceStats] = field(default_factory=dict)
-    _zero_choices: dict[object, int] = field(default_factory=dict)
+    _zero_choices: dict[object, float] = field(default_factory=dict)  # in steps: 1 / G per choice
     _zero_seconds: dict[object, float] = field(default_factory=dict)
     _intervals: dict[object, int] = field(default_factory=dict)
 
@@ -154,30 +182,33 @@ class DepthPolicy:
         return (group.passed + self.prior_weight * prior) / (group.trials + self.prior_weight)
 
     def choose(self, key: object, group_id: str, max_depth: int, width: int, draft_lag: int,
-               probe: bool = True) -> int:
-        """γ in 0..max_depth for the group's next iteration. ``probe=False``: the model's choice only,
-        no exploration and nothing recorded (a look ahead, e.g. at a group's admission)."""
+               probe: bool = True, batch: Batch = ALONE) -> int:
+        """γ in 0..max_depth for the group's next iteration in ``batch``. ``probe=False``: the model's choice
+        only, no exploration and nothing recorded (a look ahead, e.g. at a group's admission)."""
         if max_depth <= 0:
             return 0
         if self.draft.num_observations == 0 or self.target.num_observations == 0:
             return 1  # measure the draft before judging it
         alpha = self.alpha(key, group_id)
-        plain_seconds = iteration_seconds(0, width, draft_lag, self.draft, self.target)
-        best, best_rate = 0, 1.0 / plain_seconds
-        for depth in range(1, max_depth + 1):
-            rate = expected_tokens(alpha, depth) / iteration_seconds(depth, width, draft_lag, self.draft, self.target)
-            if rate > best_rate * (1 + self.margin):
-                best, best_rate = depth, rate
+        others = batch.streams - 1  # they gain a token per iteration whatever this group does
+
+        plain_seconds = iteration_seconds(0, width, draft_lag, self.draft, self.target, batch)
+
+        def rate(depth: int) -> float:  # speculating is taken to cost ``margin`` more than modelled
+            extra = iteration_seconds(depth, width, draft_lag, self.draft, self.target, batch) - plain_seconds
+            return (others + expected_tokens(alpha, depth)) / (plain_seconds + (1 + self.margin) * extra)
+
+        best = max(range(max_depth + 1), key=rate)  # the shallowest of equals
         if not probe:
             return best
         if best > 0:
             self._zero_choices[key], self._zero_seconds[key] = 0, 0.0
             self._intervals[key] = self.probe_interval
             return best
-        count = self._zero_choices.get(key, 0) + 1
-        spent = self._zero_seconds.get(key, 0.0) + plain_seconds
+        count = self._zero_choices.get(key, 0) + 1 / batch.streams
+        spent = self._zero_seconds.get(key, 0.0) + plain_seconds / batch.streams
         interval = self._intervals.get(key, self.probe_interval)
-        extra = iteration_seconds(1, width, draft_lag, self.draft, self.target) - plain_seconds
+        extra = iteration_seconds(1, width, draft_lag, self.draft, self.target, batch) - plain_seconds
         if count >= interval and extra <= self.probe_budget * spent:
             # probe: the draft may have got better (or the estimate was unlucky)
             self._zero_choices[key], self._zero_seconds[key] = 0, 0.0

@@ -214,9 +214,20 @@ class BeamGroup:
     def reset_iteration(self) -> list[Any]:
         """Abandon the iteration in progress (the beams' KV was lost); returns the requests to free."""
         extra = self.extra_requests()
+        self._end_iteration()
+        return extra
+
+    def _end_iteration(self) -> None:
         self.in_iteration = False
         self.num_draft_layers, self.layers, self.paths, self.path_requests, self.aliases = 0, [], [], [], {}
-        return extra
+
+    @property
+    def plain_iteration(self) -> bool:
+        """An iteration without draft layers that is exactly one beam step (its paths are the beams): the
+        runner decides it as a beam step (``plan``, ``apply``). Not MJSD (one path, its own rule) and not
+        memory-efficient (a verification outputs one beam there)."""
+        return (self.in_iteration and self.num_draft_layers == 0 and not self.mjsd
+                and not self.params.memory_efficient)
 
     @property
     def drafting(self) -> bool:
@@ -407,8 +418,7 @@ class BeamGroup:
         self.beams = new_beams  # type: ignore[assignment]
         self.num_generated += decision.num_passed + 1
         self.step += 1
-        self.num_draft_layers, self.layers, self.paths, self.path_requests, self.aliases = 0, [], [], [], {}
-        self.in_iteration = False
+        self._end_iteration()
         return effects
 
     @property
@@ -444,7 +454,7 @@ class BeamGroup:
         )
 
     def apply(self, decision: GroupDecision) -> StepEffects:
-        """Commit one beam step (see the module docstring)."""
+        """Commit one beam step (see the module docstring); it ends a :attr:`plain_iteration`."""
         if self.done:
             raise RuntimeError(f"beam group {self.group_id} is finished; it takes no more steps")
         beams = self.beams
@@ -479,6 +489,8 @@ class BeamGroup:
         self.beams = new_beams  # type: ignore[assignment]
         self.num_generated += 1
         self.step += 1
+        if self.in_iteration:
+            self._end_iteration()
         return effects
 
     def _finish_reason(self, token: int) -> str:

@@ -18,6 +18,7 @@ from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.outputs import LogprobsLists
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_dsbd.algorithm.depth import Batch
 from vllm_dsbd.engine import metrics
 from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams, Extend, Fork, Free, Hypothesis, PathRequest, StepEffects
 from vllm_dsbd.engine.protocol import StepPlan
@@ -38,42 +39,56 @@ class CommitMixin:
                     self._start_iteration(self.groups[gid], freed)
             for step in plan.groups:
                 group = self.groups.get(step.group_id)
-                if group is not None:  # else aborted while the step ran
-                    self._carry_out(group, group.apply(_decision(result, "decisions", step.group_id)),
-                                    freed, group_outputs)
+                if group is None:  # aborted while the step ran
+                    continue
+                decision = _decision(result, "decisions", step.group_id)
+                if group.speculative:  # an iteration without draft layers
+                    self._commit_iteration(group, group.apply, decision, [], [], [len(decision.beams)], 0,
+                                           freed, group_outputs)
+                else:
+                    self._carry_out(group, group.apply(decision), freed, group_outputs)
             for step in plan.verify_steps:
                 group = self.groups.get(step.group_id)
                 if group is not None:
-                    for pr in group.path_requests:  # the target computed every path up to its root's end
-                        pr.request.num_computed_tokens = pr.request.num_tokens
                     decision = _decision(result, "verify_decisions", step.group_id)
-                    self._observe(decision, len(step.draft_parents))
-                    self._depth.observe_iteration(_depth_key(group), group.group_id, len(step.draft_parents),
-                                                  decision.num_passed)
-                    effects = group.apply_verify(decision)
-                    self._carry_out(group, effects, freed, group_outputs)
-                    if group.group_id in self.groups:
-                        for b in group.beams:
-                            b.request.dsbd_target = b.request.num_computed_tokens
-                        self._start_iteration(group, freed, rewind=False)
+                    self._commit_iteration(group, group.apply_verify, decision, decision.num_proposed,
+                                           decision.num_accepted, decision.widths, decision.num_passed,
+                                           freed, group_outputs)
         if freed:
             self.running = remove_all(self.running, freed)
 
-    def _observe(self, decision, num_draft_layers: int) -> None:
+    def _commit_iteration(self, group: BeamGroup, apply, decision, proposed: list[int], accepted: list[int],
+                          widths: list[int], num_passed: int, freed: set[Request],
+                          group_outputs: dict[int, list[EngineCoreOutput]]) -> None:
+        """A verified DSBD iteration (``apply``: the group's commit of ``decision``); the next one starts."""
+        num_layers = len(group.layers)
+        own_tokens = self._step_tokens_of([pr.request for pr in group.path_requests])
+        for pr in group.path_requests:  # the target computed every path up to its root's end
+            pr.request.num_computed_tokens = pr.request.num_tokens
+        self._observe(proposed, accepted, widths, num_layers)
+        self._depth.observe_iteration(_depth_key(group), group.group_id, num_layers, num_passed)
+        self._carry_out(group, apply(decision), freed, group_outputs)
+        if group.group_id in self.groups:
+            for b in group.beams:
+                b.request.dsbd_target = b.request.num_computed_tokens
+            self._start_iteration(group, freed, rewind=False, own_tokens=own_tokens)
+
+    def _observe(self, proposed: list[int], accepted: list[int], widths: list[int], num_draft_layers: int) -> None:
         """DSBD in vLLM's spec-decode counters: a draft = one iteration (one target forward of the
         group's forest), draft tokens = draft nodes proposed, accepted tokens = draft nodes accepted,
-        per position i = nodes accepted at depth i + 1; plus the beam layers produced, their widths and
-        the draft layers built (γ of the iteration; vllm_dsbd.engine.metrics)."""
+        per position i = nodes accepted at depth i + 1 (``proposed`` / ``accepted``: per verified layer);
+        plus the beam layers produced, their ``widths`` and the draft layers built (γ of the iteration;
+        vllm_dsbd.engine.metrics)."""
         if self._spec_stats is None:
             self._spec_stats = metrics.new_stats(self._num_draft_layers)
         stats = self._spec_stats
         stats.num_drafts += 1
-        stats.num_draft_tokens += sum(decision.num_proposed)
-        stats.num_accepted_tokens += sum(decision.num_accepted)
-        for depth, (proposed, accepted) in enumerate(zip(decision.num_proposed, decision.num_accepted)):
-            stats.num_draft_tokens_per_pos[depth] += proposed
-            stats.num_accepted_tokens_per_pos[depth] += accepted
-        metrics.observe_layers(stats, decision.widths, num_draft_layers)
+        stats.num_draft_tokens += sum(proposed)
+        stats.num_accepted_tokens += sum(accepted)
+        for depth, (p, a) in enumerate(zip(proposed, accepted)):
+            stats.num_draft_tokens_per_pos[depth] += p
+            stats.num_accepted_tokens_per_pos[depth] += a
+        metrics.observe_layers(stats, widths, num_draft_layers)
 
     def _commit_draft_step(self, plan: StepPlan, result, freed: set[Request]) -> None:
         discard = set(plan.discard_req_ids)
@@ -91,9 +106,13 @@ class CommitMixin:
             if not r.is_finished() and getattr(r, "dsbd_target", None) is not None:
                 r.num_computed_tokens = r.dsbd_target
 
-    def _start_iteration(self, group: BeamGroup, freed: set[Request], rewind: bool = True) -> None:
+    def _start_iteration(self, group: BeamGroup, freed: set[Request], rewind: bool = True,
+                         own_tokens: int | None = None) -> None:
         """The beams' KV is complete up to their last token (``rewind``: up to the end; the last token
-        is recomputed with the forest): the next DSBD iteration starts."""
+        is recomputed with the forest): the next DSBD iteration starts. ``own_tokens``: the group's tokens
+        in the step just run (default: its beams')."""
+        if own_tokens is None:
+            own_tokens = self._step_tokens_of(group.requests())
         for b in group.beams:
             r = b.request
             if rewind:
@@ -104,8 +123,20 @@ class CommitMixin:
         if group.params.auto_depth:
             draft_lag = sum(b.request.num_tokens - b.request.dsbd_draft for b in group.beams)
             depth = self._depth.choose(_depth_key(group), group.group_id, group.max_draft_layers,
-                                       len(group.beams), draft_lag)
+                                       len(group.beams), draft_lag, batch=self._batch_of(group, own_tokens))
         self._carry_out(group, group.start_iteration(depth), freed, {})
+
+    def _step_tokens_of(self, requests) -> int:
+        return sum(self._step_tokens.get(r.request_id, 0) for r in requests)
+
+    def _batch_of(self, group: BeamGroup, own_tokens: int) -> Batch:
+        """What the group's next iteration shares its steps with (auto_depth): the other admitted groups
+        and plain requests, the other tokens of the target step just run, the other groups drafting."""
+        others = [g for g in self._admitted_groups() if g is not group]
+        plain = sum(1 for r in self.running if r.request_id not in self._beam_group)
+        drafting = sum(1 for g in others if g.in_iteration and g.num_draft_layers > 0)
+        return Batch(streams=1 + len(others) + plain, drafting=1 + drafting,
+                     other_tokens=max(0, sum(self._step_tokens.values()) - own_tokens))
 
     def _start_without_prefill(self, group: BeamGroup) -> None:
         """auto_depth: a group whose first iteration gets depth 0 starts it at once, so the target step
@@ -113,7 +144,7 @@ class CommitMixin:
         and samples nothing, and the first iteration recomputes its last token with the forest)."""
         root = group.beams[0].request
         if self._depth.choose(_depth_key(group), group.group_id, group.max_draft_layers, 1, root.num_tokens,
-                              probe=False):
+                              probe=False, batch=self._batch_of(group, 0)):
             return
         root.dsbd_target = root.dsbd_draft = 0
         self._carry_out(group, group.start_iteration(0), set(), {})

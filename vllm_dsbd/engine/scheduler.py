@@ -112,6 +112,7 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
         # auto_depth: γ per iteration from the measured cost of this engine's steps (algorithm.depth).
         self._depth = DepthPolicy()
         self._step_timing: tuple[float, bool] | None = None  # (start, draft step) of the step in flight
+        self._step_tokens: dict[str, int] = {}  # tokens per request of the last target step with groups
 
     # ------------------------------------------------------------------
     # Requests in
@@ -242,6 +243,8 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
                     request.num_in_flight_tokens -= scheduled[rid]
         group_outputs: dict[int, list[EngineCoreOutput]] = {}
         plan: StepPlan | None = getattr(scheduler_output, PLAN_ATTR, None)
+        if plan is not None and not plan.draft:  # the target step's tokens per request, for auto_depth
+            self._step_tokens = scheduled
         if plan is not None:
             self._commit_steps(plan, getattr(model_runner_output, RESULT_ATTR, None), group_outputs)
         # The base class makes this step's stats last: after the commits, so KV usage is current.

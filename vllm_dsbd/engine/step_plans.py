@@ -72,7 +72,9 @@ class PlanMixin:
                     r = pr.request
                     if r.request_id in scheduled and r.num_computed_tokens < r.num_tokens:
                         r.dsbd_target = r.num_computed_tokens
-                if len(done) == len(group.path_requests):
+                if len(done) == len(group.path_requests) and group.plain_iteration:
+                    plan.groups.append(group.plan())  # no draft layers: a beam step
+                elif len(done) == len(group.path_requests):
                     plan.verify_steps.append(group.verify_plan())
                 else:
                     plan.discard_req_ids += [r.request_id for r in done]
