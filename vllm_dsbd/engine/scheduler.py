@@ -40,6 +40,8 @@ groups without speculation, prompts, and the verification of groups whose
 forest is complete, with one request per root-to-leaf path whose draft tokens
 are vLLM spec tokens (the target computes every node of every group's forest
 in this one forward). Steps are draft steps while any group is drafting.
+An iteration without draft layers (``auto_depth`` choosing γ 0) is the
+group's beam step in a target step (``BeamGroup.plain_iteration``).
 Every beam request has two KV frontiers, the target's and the draft's (the
 same blocks hold both models' layers); ``num_computed_tokens`` is set to the
 one the step's model continues from. Prefix caching is off for speculative

@@ -56,9 +56,9 @@ class PlanMixin:
 
         Ready: a beam group (no speculation) whose every beam was computed up to
         its last token; a speculative group whose every path was computed with
-        all its spec tokens (verification), or whose every beam's prompt / lost
-        KV was recomputed (the iteration starts; the last token is recomputed
-        with the forest).
+        all its spec tokens (verification; without draft layers, a beam step), or
+        whose every beam's prompt / lost KV was recomputed (the iteration starts;
+        the last token is recomputed with the forest).
         """
         scheduled, spec = out.num_scheduled_tokens, out.scheduled_spec_decode_tokens
         plan = StepPlan([])
