@@ -43,22 +43,25 @@ def inproc_spec_llm(engine_pool, tiny_eos_target, tiny_pair):
         tiny_eos_target, tiny_pair.draft, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
 
 
+def test_auto_depth_weighs_the_batch_a_draft_that_pays_alone_steps_aside_among_eight(inproc_spec_llm):
+    """Draft steps cost 0.2 s, target steps 1 s: with the prior α 0.5 one layer pays for a group alone
+    (1.5 tokens for 1.2 s), but among 8 groups its draft step would stall the 7 others (8.5 tokens for
+    1.2 s against 8 for 1 s), so every iteration of the batch gets depth 0."""
+    alone = _recording_policy(inproc_spec_llm, 0.2, 1.0)
+    inproc_spec_llm.generate(PROMPTS[:1], _auto_request(2, 6, ignore_eos=True), use_tqdm=False)
+    assert alone and alone[0] >= 1, alone
+    crowd = _recording_policy(inproc_spec_llm, 0.2, 1.0)
+    prompts = (PROMPTS * 8)[:8]
+    inproc_spec_llm.generate(prompts, _auto_request(2, 6, ignore_eos=True), use_tqdm=False)
+    assert len(crowd) >= 8 * 4 and set(crowd) == {0}, crowd
+
+
 def test_auto_depth_is_lossless_at_every_depth_it_chooses(inproc_spec_llm, tiny_eos_llm):
     """The tests above may run on plain beam steps alone: on the tiny pair the measured costs make depth 0
     the choice. Here the engine's depth policy is told that draft steps cost almost nothing, so it
     speculates at full depth while its acceptance estimate is high, then falls back to depth 0 (probing now
     and then) as the unrelated draft fails: mixed depths, still vLLM's beam search token for token."""
-    from vllm_dsbd.algorithm.depth import DepthPolicy
-
-    policy = DepthPolicy()
-    for tokens in (4, 32):  # draft steps 0.1 ms, target steps 1 s whatever their size
-        policy.draft.observe(tokens, 1e-4)
-        policy.target.observe(tokens, 1.0)
-    policy.observe_step = lambda *args: None  # keep those costs
-    chosen = []
-    choose = policy.choose
-    policy.choose = lambda *args, **kw: chosen.append(choose(*args, **kw)) or chosen[-1]
-    inproc_spec_llm.llm_engine.engine_core.engine_core.scheduler._depth = policy
+    chosen = _recording_policy(inproc_spec_llm, 1e-4, 1.0)  # draft steps 0.1 ms, target steps 1 s
     before = engine_metric(inproc_spec_llm, "vllm:dsbd_draft_layers")
     for width in (2, 4):
         want = beam_search(tiny_eos_llm, PROMPTS, width, 10)
@@ -66,6 +69,30 @@ def test_auto_depth_is_lossless_at_every_depth_it_chooses(inproc_spec_llm, tiny_
         _assert_same_as_beam_search(want, got)
     assert engine_metric(inproc_spec_llm, "vllm:dsbd_draft_layers") > before  # speculation happened
     assert 3 in chosen and 0 in chosen, chosen
+
+
+def _recording_policy(llm, draft_seconds: float, target_seconds: float):
+    """A fresh depth policy in the in-process engine with fixed step costs (whatever the step's size);
+    returns the list the γ chosen at each iteration start (not the admissions' look-aheads) goes to."""
+    from vllm_dsbd.algorithm.depth import DepthPolicy
+
+    policy = DepthPolicy()
+    for tokens in (4, 32):
+        policy.draft.observe(tokens, draft_seconds)
+        policy.target.observe(tokens, target_seconds)
+    policy.observe_step = lambda *args: None  # keep those costs
+    chosen = []
+    choose = policy.choose
+
+    def record(*args, **kw):
+        depth = choose(*args, **kw)
+        if kw.get("probe", True):
+            chosen.append(depth)
+        return depth
+
+    policy.choose = record
+    llm.llm_engine.engine_core.engine_core.scheduler._depth = policy
+    return chosen
 
 
 @pytest.mark.model

@@ -131,12 +131,16 @@ class CommitMixin:
 
     def _batch_of(self, group: BeamGroup, own_tokens: int) -> Batch:
         """What the group's next iteration shares its steps with (auto_depth): the other admitted groups
-        and plain requests, the other tokens of the target step just run, the other groups drafting."""
-        others = [g for g in self._admitted_groups() if g is not group]
-        plain = sum(1 for r in self.running if r.request_id not in self._beam_group)
-        drafting = sum(1 for g in others if g.in_iteration and g.num_draft_layers > 0)
-        return Batch(streams=1 + len(others) + plain, drafting=1 + drafting,
-                     other_tokens=max(0, sum(self._step_tokens.values()) - own_tokens))
+        and plain requests, the other tokens of the target step just run, the other groups drafting (in
+        their iteration just verified). Counted once per step, not once per group."""
+        if self._batch_view is None:
+            admitted = list(self._admitted_groups())
+            plain = sum(1 for r in self.running if r.request_id not in self._beam_group)
+            drafting = {g.group_id for g in admitted if g.in_iteration and g.num_draft_layers > 0}
+            self._batch_view = (len(admitted) + plain, drafting, sum(self._step_tokens.values()))
+        streams, drafting, tokens = self._batch_view
+        return Batch(streams=max(streams, 1), drafting=1 + len(drafting - {group.group_id}),
+                     other_tokens=max(0, tokens - own_tokens))
 
     def _start_without_prefill(self, group: BeamGroup) -> None:
         """auto_depth: a group whose first iteration gets depth 0 starts it at once, so the target step

@@ -115,6 +115,7 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
         self._depth = DepthPolicy()
         self._step_timing: tuple[float, bool] | None = None  # (start, draft step) of the step in flight
         self._step_tokens: dict[str, int] = {}  # tokens per request of the last target step with groups
+        self._batch_view: tuple[int, set[str], int] | None = None  # that step's streams, drafting groups, tokens
 
     # ------------------------------------------------------------------
     # Requests in
@@ -246,7 +247,7 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
         group_outputs: dict[int, list[EngineCoreOutput]] = {}
         plan: StepPlan | None = getattr(scheduler_output, PLAN_ATTR, None)
         if plan is not None and not plan.draft:  # the target step's tokens per request, for auto_depth
-            self._step_tokens = scheduled
+            self._step_tokens, self._batch_view = scheduled, None
         if plan is not None:
             self._commit_steps(plan, getattr(model_runner_output, RESULT_ATTR, None), group_outputs)
         # The base class makes this step's stats last: after the commits, so KV usage is current.
