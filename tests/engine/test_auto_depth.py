@@ -56,6 +56,19 @@ def test_auto_depth_weighs_the_batch_a_draft_that_pays_alone_steps_aside_among_e
     assert len(crowd) >= 8 * 4 and set(crowd) == {0}, crowd
 
 
+def test_auto_depth_sees_a_group_alone_when_the_group_before_it_has_ended(inproc_spec_llm):
+    """Prompts one after another: every depth choice, the admission's look-ahead included, models the group
+    alone in its steps. (The tokens of a group that just ended used to count as others' work in the next
+    target step, which makes speculation look cheaper than it is.)"""
+    from vllm_dsbd.algorithm.depth import ALONE
+
+    batches = []
+    _recording_policy(inproc_spec_llm, 0.2, 1.0, batches)
+    for prompt in PROMPTS[:2]:
+        inproc_spec_llm.generate([prompt], _auto_request(2, 4, ignore_eos=True), use_tqdm=False)
+    assert len(batches) >= 4 and set(batches) == {ALONE}, batches
+
+
 def test_auto_depth_is_lossless_at_every_depth_it_chooses(inproc_spec_llm, tiny_eos_llm):
     """The tests above may run on plain beam steps alone: on the tiny pair the measured costs make depth 0
     the choice. Here the engine's depth policy is told that draft steps cost almost nothing, so it
@@ -71,9 +84,10 @@ def test_auto_depth_is_lossless_at_every_depth_it_chooses(inproc_spec_llm, tiny_
     assert 3 in chosen and 0 in chosen, chosen
 
 
-def _recording_policy(llm, draft_seconds: float, target_seconds: float):
+def _recording_policy(llm, draft_seconds: float, target_seconds: float, batches: list | None = None):
     """A fresh depth policy in the in-process engine with fixed step costs (whatever the step's size);
-    returns the list the γ chosen at each iteration start (not the admissions' look-aheads) goes to."""
+    returns the list the γ chosen at each iteration start (not the admissions' look-aheads) goes to.
+    ``batches``: gets the batch each choice saw, look-aheads included."""
     from vllm_dsbd.algorithm.depth import DepthPolicy
 
     policy = DepthPolicy()
@@ -86,6 +100,8 @@ def _recording_policy(llm, draft_seconds: float, target_seconds: float):
 
     def record(*args, **kw):
         depth = choose(*args, **kw)
+        if batches is not None:
+            batches.append(kw["batch"])
         if kw.get("probe", True):
             chosen.append(depth)
         return depth

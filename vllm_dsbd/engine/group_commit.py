@@ -132,12 +132,15 @@ class CommitMixin:
     def _batch_of(self, group: BeamGroup, own_tokens: int) -> Batch:
         """What the group's next iteration shares its steps with (auto_depth): the other admitted groups
         and plain requests, the other tokens of the target step just run, the other groups drafting (in
-        their iteration just verified). Counted once per step, not once per group."""
+        their iteration just verified). Counted once per step, not once per group, and only what is still
+        there: the tokens of finished or freed requests (a group that just ended) run no more."""
         if self._batch_view is None:
             admitted = list(self._admitted_groups())
-            plain = sum(1 for r in self.running if r.request_id not in self._beam_group)
+            plain = sum(1 for r in self.running  # beams freed in this commit are still listed, finished
+                        if r.request_id not in self._beam_group and not r.is_finished())
             drafting = {g.group_id for g in admitted if g.in_iteration and g.num_draft_layers > 0}
-            self._batch_view = (len(admitted) + plain, drafting, sum(self._step_tokens.values()))
+            tokens = sum(n for rid, n in self._step_tokens.items() if rid in self.requests)
+            self._batch_view = (len(admitted) + plain, drafting, tokens)
         streams, drafting, tokens = self._batch_view
         return Batch(streams=max(streams, 1), drafting=1 + len(drafting - {group.group_id}),
                      other_tokens=max(0, tokens - own_tokens))
@@ -214,6 +217,7 @@ class CommitMixin:
         requests = [b.request for b in group.beams if b.request is not None] + group.extra_requests()
         released = [self._release_beam(r) for r in requests if r.request_id in self.requests]
         self.groups.pop(group.group_id, None)
+        self._batch_view = None  # the group's tokens no longer count (_batch_of)
         self._forgotten_groups.append(group.group_id)
         self._depth.forget(group.group_id)
         if group.group_id in self._admission:
