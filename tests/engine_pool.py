@@ -44,6 +44,7 @@ MODULE_ORDER = [
     "engine/test_auto_depth.py", "engine/test_bf16.py", "engine/test_dsbd_engine.py", "engine/test_mjsd_engine.py",
     "engine/test_fuzz.py",
     # dsbd_tiny_spec_llm, tiny_eos_llm, dsbd_spec_target_llm, target_llm
+    "engine/test_demo.py",  # the demo's own engines, in a subprocess, after the pool is cleared
     "engine/test_tensor_parallel.py", "engine/test_ray_executor.py", "engine/test_ray_data_example.py",
     "e2e/test_serve.py",
 ]

@@ -103,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pair_argument(d)
     d.add_argument("--beam-width", type=int, default=4)
     d.add_argument("--max-tokens", type=int, default=32)
-    d.add_argument("--num-speculative-tokens", type=int, default=1,
-                   help="DSBD draft depth γ (1: the fastest with the shipped draft on a CPU, benchmarks/results/dsbd)")
+    d.add_argument("--num-speculative-tokens", type=int, default=2,
+                   help="the most draft layers γ a DSBD iteration may have (auto_depth picks 0..γ each iteration)")
     d.add_argument("--no-draft", action="store_true", help="skip the DSBD rows")
     add_dtype_argument(d)
     d.set_defaults(func=_cmd_demo)
