@@ -185,3 +185,80 @@ def test_the_heads_kv_of_accepted_drafts_is_recomputed_from_the_targets_features
         assert len(outs[0].outputs[0].token_ids) == n
         tokens[n] = profile() - before
     assert tokens[16] - tokens[8] == 3 * (16 - 8) // 2
+
+
+def _check_forest_attention(worker) -> None:
+    """Runs in the worker: after every draft step, the head's logits at its drafted rows are computed again
+    with ``engine.forest_attention`` (the paged KV of the beam's context, then scratch rows): a beam's
+    last token as a forest row of its own, and a layer-2 node as a row whose ancestor is its beam's row."""
+    from vllm_dsbd.engine import eagle3, forest_attention
+
+    runner = worker.model_runner
+    head = runner.drafter.model
+    names = forest_attention.install(head)
+    sample = runner._sample
+    runner._forest_check = record = {"diffs": {1: [], 2: []}, "parents": {}, "sample": sample}
+
+    def forward(tokens, positions, features, rows):
+        normed, own = forest_attention.head_forward(head, names, runner.vllm_config, torch.tensor(tokens),
+                                                    torch.tensor(positions), features, rows)
+        return head.compute_logits(normed), own
+
+    def compare(got, want):
+        finite = torch.isfinite(want)
+        assert torch.equal(finite, torch.isfinite(got))
+        return float((got[finite] - want[finite]).abs().max())
+
+    def checked(logits, metadata):
+        plan = runner._dsbd_plan
+        out = sample(logits, metadata)
+        if plan is None or not plan.draft or logits is None:
+            return out
+        batch, gid = runner.input_batch, runner._dsbd_features_gid
+        table = batch.block_table[gid]
+        for ds in plan.draft_steps:
+            for rid in ds.req_ids:
+                i = batch.req_id_to_index[rid]
+                n = int(batch.num_tokens_no_spec[i])
+                tokens = batch.token_ids_cpu[i, :n].tolist()
+                blocks = table.block_table.cpu[i].clone()
+                if ds.layer == 1:  # the beam's last token: paged context 0 .. n - 2, no ancestors
+                    prev = eagle3.previous_slots(torch.tensor([n - 1]), torch.tensor([0]), blocks[None],
+                                                 table.block_size)
+                    rows = forest_attention.ForestRows([blocks], [n - 1], [[]], forest_attention.ScratchKV())
+                    got, own = forward([tokens[-1]], [n - 1], runner._dsbd_features.read(prev), rows)
+                    record["parents"][tuple(tokens)] = (blocks, rows.scratch, rows.row_ids[0], own)
+                elif ds.layer == 2 and tuple(tokens[:-1]) in record["parents"]:  # a node: its beam's row first
+                    parent_blocks, scratch, parent_row, parent_own = record["parents"][tuple(tokens[:-1])]
+                    rows = forest_attention.ForestRows([parent_blocks], [n - 2], [[parent_row]], scratch)
+                    got, _ = forward([tokens[-1]], [n - 1], parent_own, rows)
+                else:
+                    continue
+                record["diffs"][ds.layer].append(compare(got[0], logits[i]))
+        return out
+
+    runner._sample = checked
+
+
+def _forest_check_result(worker) -> dict:
+    """Runs in the worker: the differences found, and the runner's own ``_sample`` back (the wrapped attention
+    stays: other metadata goes to vLLM's kernel)."""
+    record = worker.model_runner._forest_check
+    worker.model_runner._sample = record["sample"]
+    return record["diffs"]
+
+
+def test_forest_attention_gives_the_draft_steps_logits(head_llm, monkeypatch):
+    """The head run on forest rows (paged context + scratch ancestors, as drafting inside the verify step
+    will) gives the logits that its paged draft steps give, at layer 1 and at layer 2."""
+    import cloudpickle
+
+    monkeypatch.setenv(*next(iter(PICKLE.items())))
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    head_llm.collective_rpc(_check_forest_attention)
+    try:
+        head_llm.generate(PROMPTS, _beams(2, 2, 8, ignore_eos=True), use_tqdm=False)
+    finally:
+        (diffs,) = head_llm.collective_rpc(_forest_check_result)
+    assert len(diffs[1]) >= 3 * 4 and len(diffs[2]) >= 3 * 4, {k: len(v) for k, v in diffs.items()}
+    assert max(diffs[1] + diffs[2]) < 1e-3, diffs

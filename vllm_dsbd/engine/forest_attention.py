@@ -1,0 +1,180 @@
+"""An EAGLE-3 head's forward over forest rows, outside vLLM's paged KV (groundwork for drafting inside the
+verify step: step 9 of docs/eagle3-design.md).
+
+A *forest row* is one token of a draft forest being built inside a worker step: a new beam's last token
+(its bonus), or a draft node. It attends, in its one head layer, to
+
+1. its beam's context: the head's KV at positions ``0 .. context_len - 1`` of a request's paged blocks
+   (``block_table``), which target steps keep up to date;
+2. its ancestors in the forest: rows of earlier :func:`head_forward` calls of the same step, whose K/V
+   this module keeps in a :class:`ScratchKV` instead of the paged cache (siblings would clash there:
+   several children of one node sit at the same position of the same request);
+3. itself.
+
+Nothing is written to the paged cache. The head runs as it does in a draft step (vLLM's own module, its
+rotary embedding and projections); only its attention kernel is swapped, per call, through the layer's
+``impl`` (:class:`ForestAttentionImpl`, installed once; any other metadata goes to vLLM's kernel).
+
+vLLM 0.32's CPU cache keeps each block as ``[kv_heads, 2 * block_size, head_dim]``: values plain in the
+second half, keys in an ISA-specific packing in the first. The packing is read once, by writing known
+keys with the backend's own ``do_kv_cache_update`` into a one-block cache (:class:`PagedKVReader`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class PagedKVReader:
+    """Reads the K/V of positions ``0 .. n - 1`` of a request from one attention layer's paged CPU cache."""
+
+    def __init__(self, layer: Any, impl: Any, kv_cache: Tensor) -> None:
+        if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
+            raise NotImplementedError(f"forest attention reads vLLM's CPU KV layout [blocks, kv_heads, block_size, "
+                                      f"2 * head_dim]; this cache is {tuple(kv_cache.shape)}")
+        _, self.kv_heads, self.block_size, two_dims = kv_cache.shape
+        self.head_dim = two_dims // 2
+        self.key_pos, self.value_pos = _probe_layout(layer, impl, kv_cache.dtype, self.kv_heads, self.block_size,
+                                                     self.head_dim)
+
+    def read(self, kv_cache: Tensor, blocks: Tensor, length: int) -> tuple[Tensor, Tensor]:
+        """K, V of the first ``length`` positions whose blocks are ``blocks`` (in order): [length, kv_heads, hd]."""
+        if length == 0:
+            empty = kv_cache.new_zeros((0, self.kv_heads, self.head_dim))
+            return empty, empty
+        used = blocks[: -(-length // self.block_size)].long()
+        area = kv_cache[used].reshape(used.shape[0], self.kv_heads, -1)  # [b, kvh, 2 * bs * hd]
+        keys = area[:, :, self.key_pos].reshape(used.shape[0], self.kv_heads, self.block_size, self.head_dim)
+        values = area[:, :, self.value_pos].reshape(used.shape[0], self.kv_heads, self.block_size, self.head_dim)
+        flat = lambda t: t.permute(0, 2, 1, 3).reshape(-1, self.kv_heads, self.head_dim)[:length]  # noqa: E731
+        return flat(keys), flat(values)
+
+
+def _probe_layout(layer: Any, impl: Any, dtype: torch.dtype, kv_heads: int, block_size: int,
+                  head_dim: int) -> tuple[Tensor, Tensor]:
+    """Where (offset, dim) of a key and of a value land in a (block, head)'s ``2 * block_size * head_dim``
+    area: one index per (offset, dim), row-major. Each coordinate is written as a small integer (exact in
+    bf16) in its own probe."""
+    offsets = torch.arange(block_size).view(block_size, 1, 1).expand(block_size, kv_heads, head_dim)
+    dims = torch.arange(head_dim).view(1, 1, head_dim).expand(block_size, kv_heads, head_dim)
+    heads = torch.arange(kv_heads).view(1, kv_heads, 1).expand(block_size, kv_heads, head_dim)
+    found = []
+    for which in (0, 1):  # keys, values
+        coords = []
+        for coord in (offsets, dims, heads):
+            cache = torch.zeros((1, kv_heads, block_size, 2 * head_dim), dtype=dtype)
+            probe = (coord + 1).to(dtype)
+            zero = torch.zeros_like(probe)
+            key, value = (probe, zero) if which == 0 else (zero, probe)
+            impl.do_kv_cache_update(layer, key, value, cache, torch.arange(block_size))
+            coords.append(cache.reshape(kv_heads, -1).float() - 1)  # -1: not written there
+        offset, dim, head = coords
+        written = offset >= 0
+        if not bool((head[written] == torch.arange(kv_heads).view(-1, 1).expand_as(head)[written]).all()):
+            raise NotImplementedError(f"{type(impl).__name__} packs KV across heads; forest attention cannot read it")
+        pos = torch.full((block_size * head_dim,), -1, dtype=torch.long)
+        where = written[0].nonzero()[:, 0]
+        pos[(offset[0, where] * head_dim + dim[0, where]).long()] = where
+        if bool((pos < 0).any()):
+            raise NotImplementedError(f"{type(impl).__name__}'s KV packing is not a permutation of each block")
+        found.append(pos)
+    return found[0], found[1]
+
+
+@dataclass
+class ScratchKV:
+    """K/V of the forest rows computed so far in a step, per head attention layer, by row id."""
+
+    keys: dict[str, list[Tensor]] = field(default_factory=dict)
+    values: dict[str, list[Tensor]] = field(default_factory=dict)
+
+    def add(self, layer: str, keys: Tensor, values: Tensor) -> list[int]:
+        ks, vs = self.keys.setdefault(layer, []), self.values.setdefault(layer, [])
+        start = len(ks)
+        ks.extend(keys.unbind(0))
+        vs.extend(values.unbind(0))
+        return list(range(start, len(ks)))
+
+
+@dataclass
+class ForestRows:
+    """The rows of one :func:`head_forward` call and what each attends to (see the module docstring)."""
+
+    block_tables: list[Tensor]  # per row: the blocks of its context's request
+    context_lens: list[int]  # per row: paged positions it reads
+    ancestors: list[list[int]]  # per row: scratch row ids, root side first
+    scratch: ScratchKV
+    row_ids: list[int] = field(default_factory=list)  # set by the call: this call's rows in ``scratch``
+
+
+class ForestAttentionImpl:
+    """Wraps a head layer's attention impl: :class:`ForestRows` metadata runs here, anything else runs the
+    wrapped kernel unchanged."""
+
+    def __init__(self, inner: Any, layer_name: str) -> None:
+        self.inner, self.layer_name = inner, layer_name
+        self._reader: PagedKVReader | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def do_kv_cache_update(self, *args, **kwargs):
+        return self.inner.do_kv_cache_update(*args, **kwargs)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None,
+                output_block_scale=None):
+        if not isinstance(attn_metadata, ForestRows):
+            return self.inner.forward(layer, query, key, value, kv_cache, attn_metadata, output=output,
+                                      output_scale=output_scale, output_block_scale=output_block_scale)
+        if self._reader is None:
+            self._reader = PagedKVReader(layer, self.inner, kv_cache)
+        rows = attn_metadata
+        inner = self.inner
+        if getattr(inner, "logits_soft_cap", 0) or getattr(inner, "sliding_window", -1) not in (-1, None) \
+                or getattr(inner, "alibi_slopes", None) is not None:
+            raise NotImplementedError("forest attention supports plain causal attention only")
+        num = len(rows.context_lens)
+        q = query[:num].view(num, inner.num_heads, inner.head_size)
+        k = key[:num].view(num, inner.num_kv_heads, inner.head_size)
+        v = value[:num].view(num, inner.num_kv_heads, inner.head_size)
+        ids = rows.scratch.add(self.layer_name, k, v)
+        scratch_k, scratch_v = rows.scratch.keys[self.layer_name], rows.scratch.values[self.layer_name]
+        group = inner.num_heads // inner.num_kv_heads
+        out = output[:num].view(num, inner.num_heads, inner.head_size)
+        for r in range(num):
+            ctx_k, ctx_v = self._reader.read(kv_cache, rows.block_tables[r], rows.context_lens[r])
+            chain = [*rows.ancestors[r], ids[r]]
+            keys = torch.cat([ctx_k, torch.stack([scratch_k[i] for i in chain])]).float()  # [n, kvh, hd]
+            values = torch.cat([ctx_v, torch.stack([scratch_v[i] for i in chain])]).float()
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+            scores = torch.einsum("hd,nhd->hn", q[r].float(), keys) * inner.scale
+            out[r] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values).to(out.dtype)
+        rows.row_ids = ids
+        return output
+
+
+def install(model: torch.nn.Module) -> list[str]:
+    """Wrap every attention layer of ``model`` (a head) in :class:`ForestAttentionImpl`; returns their names."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    names = []
+    for module in model.modules():
+        if isinstance(module, Attention) and not isinstance(module.impl, ForestAttentionImpl):
+            module.impl = ForestAttentionImpl(module.impl, module.layer_name)
+            names.append(module.layer_name)
+    return names
+
+
+def head_forward(head: torch.nn.Module, layer_names: list[str], vllm_config: Any, tokens: Tensor,
+                 positions: Tensor, features: Tensor, rows: ForestRows) -> tuple[Tensor, Tensor]:
+    """The head on forest rows: (normed hidden states for its logits, its own output feature), [R, hidden]."""
+    from vllm.forward_context import set_forward_context
+
+    with set_forward_context({name: rows for name in layer_names}, vllm_config, num_tokens=tokens.shape[0],
+                             slot_mapping={}):
+        return head(input_ids=tokens, positions=positions, hidden_states=features, inputs_embeds=None)
