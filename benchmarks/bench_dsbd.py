@@ -103,23 +103,26 @@ def run(args: argparse.Namespace) -> dict:
     auto_max = (args.auto_max or max(gammas)) if args.auto else 0  # γmax of the auto_depth rows
     vocab_sizes = [int(v) for v in args.draft_vocab_sizes.split(",")]
     rows, baselines = [], {}  # baselines: temperature -> (seconds, tokens, forward seconds) of in-engine decoding
-    engines = [(d, v) for d in drafts for v in vocab_sizes]
-    for engine_index, (draft, vocab_size) in enumerate(engines):
+    in_step = {"off": [False], "on": [True], "both": [False, True]}[args.draft_in_step]
+    engines = [(d, v, i) for d in drafts for v in vocab_sizes for i in in_step]
+    for engine_index, (draft, vocab_size, draft_in_step) in enumerate(engines):
         knobs = {"draft_vocab_size": vocab_size} if vocab_size else {}
         if args.draft_dtype != "auto":
             knobs["draft_dtype"] = args.draft_dtype
+        if draft_in_step:
+            knobs["draft_in_step"] = True
         llm = LLM(**dsbd_engine_kwargs(target, draft, max(max(gammas), auto_max, 1), args.width, dtype.dtype,
                                        **knobs), disable_log_stats=False)
         # γ 0 runs no draft: the first engine's in-engine rows are every engine's baseline
         rows += _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft, vocab_size, baselines,
-                          with_baseline=engine_index == 0)
+                          with_baseline=engine_index == 0, draft_in_step=draft_in_step)
         llm.llm_engine.engine_core.shutdown()
         del llm
     return {
         "benchmark": "bench_dsbd",
         "settings": {"pair": args.pair, "target": target, "drafts": drafts, "width": args.width, "gammas": gammas,
                      "auto_depth_rows": args.auto, "temperatures": temperatures, "width_threshold": args.tau,
-                     "draft_vocab_sizes": vocab_sizes,
+                     "draft_vocab_sizes": vocab_sizes, "draft_in_step": args.draft_in_step,
                      "max_tokens": args.max_tokens, "num_prompts": len(prompts),
                      "prompt_ids": [p.id for p in prompts],
                      "batch": "all prompts" if args.batch == "all" else "1 (prompts one after another)",
@@ -132,8 +135,13 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def _label(row: dict) -> str:
+    """A row's method, marked when its engine drafts inside the verify step."""
+    return row["method"] + (" in-step" if row.get("draft_in_step") else "")
+
+
 def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft, vocab_size, baselines,
-              with_baseline: bool) -> list[dict]:
+              with_baseline: bool, draft_in_step: bool = False) -> list[dict]:
     """Every row of one engine (one draft and draft_vocab_size); the in-engine baseline only ``with_baseline``."""
     from vllm import SamplingParams
 
@@ -177,6 +185,7 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft,
             tokens = [[list(c.token_ids) for c in o.outputs] for o in out]
             forward_s = sum(p["forward_s"] for p in profile.values())
             row = {"method": name, "gamma": gamma, "auto_depth": auto, "temperature": temperature,
+                   "draft_in_step": draft_in_step and gamma > 0,
                    "draft": Path(draft).name if gamma else None, "draft_vocab_size": vocab_size if gamma else 0,
                    "wall_s": secs,
                    **run["counters"], "step_profile": profile,
@@ -194,7 +203,7 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft,
                 if temperature == 0:
                     row["same_tokens_as_in_engine"] = tokens == base_tokens
             rows.append(row)
-            print(f"[dsbd] T={temperature} γ={gamma} {row['draft']} V'={vocab_size} {name} {secs:.2f} s "
+            print(f"[dsbd] T={temperature} γ={gamma} {row['draft']} V'={vocab_size} {_label(row)} {secs:.2f} s "
                   + " ".join(f"{k}={v:.3g}" for k, v in row.items() if k in (
                       "speedup_vs_in_engine", "tokens_per_target_forward", "mean_beam_width", "mean_draft_depth",
                       "node_acceptance", "wall_per_forward", "forward_bound_speedup")), flush=True)
@@ -215,10 +224,13 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(s["temperatures"]), figsize=(5 * len(s["temperatures"]), 4), squeeze=False)
     for ax, temperature in zip(axes[0], s["temperatures"]):
         rows = [r for r in result["results"] if r["temperature"] == temperature]
-        engines = sorted({(r.get("draft"), r.get("draft_vocab_size", 0)) for r in rows if r["gamma"]}, key=str)
-        for draft, vocab in engines:
-            suffix = (f", {draft}" if len(engines) > 1 else "") + (f", draft vocab {vocab}" if vocab else "")
-            mine = [r for r in rows if r.get("draft") == draft and r.get("draft_vocab_size", 0) == vocab]
+        engines = sorted({(r.get("draft"), r.get("draft_vocab_size", 0), bool(r.get("draft_in_step")))
+                          for r in rows if r["gamma"]}, key=str)
+        for draft, vocab, in_step in engines:
+            suffix = ((f", {draft}" if len({e[0] for e in engines}) > 1 else "")
+                      + (f", draft vocab {vocab}" if vocab else "") + (", in-step" if in_step else ""))
+            mine = [r for r in rows if r.get("draft") == draft and r.get("draft_vocab_size", 0) == vocab
+                    and bool(r.get("draft_in_step")) == in_step]
             for name, marker in (("dsbd-fixed", "o"), ("dsbd-dynamic", "s")):
                 pts = [(r["gamma"], r["speedup_vs_in_engine"]) for r in mine if r["method"] == name]
                 if pts:
@@ -263,6 +275,9 @@ def main() -> None:
     parser.add_argument("--draft-vocab-sizes", default="0",
                         help="draft_vocab_size of each engine, comma-separated (0: the whole vocabulary); "
                              "every engine runs every DSBD row against the first engine's in-engine rows")
+    parser.add_argument("--draft-in-step", choices=("off", "on", "both"), default="off",
+                        help="the engine-wide knob draft_in_step (an EAGLE-3 head drafts each forest inside the "
+                             "verify step before it); both: one engine each, every DSBD row on both")
     parser.add_argument("--omp-bind", default=None,
                         help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. 0-1: the worker on both cores of a "
                              "2-core machine; default: the environment's, else vLLM's auto)")
@@ -279,7 +294,7 @@ def main() -> None:
     for r in result["results"]:
         extra = "".join(f"  {k} {r[k]:.2f}" for k in ("speedup_vs_in_engine", "forward_bound_speedup",
                                                       "tokens_per_target_forward", "mean_beam_width") if k in r)
-        print(f"T={r['temperature']} γ={r['gamma']} {r['draft']} V'={r['draft_vocab_size']} {r['method']:17s} "
+        print(f"T={r['temperature']} γ={r['gamma']} {r['draft']} V'={r['draft_vocab_size']} {_label(r):25s} "
               f"{r['wall_s']:7.2f} s{extra}")
     print(f"written to {out}")
 

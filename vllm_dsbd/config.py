@@ -41,7 +41,7 @@ VLLM_RESERVED_EXTRA_ARGS = frozenset({"kv_transfer_params", "ec_transfer_params"
 DECODERS = ("dsbd", "mjsd")
 
 #: Knobs that shape the engine itself (its models), not one request's decoding.
-ENGINE_ONLY_KNOBS = frozenset({"draft_vocab_size", "draft_dtype"})
+ENGINE_ONLY_KNOBS = frozenset({"draft_vocab_size", "draft_dtype", "draft_in_step"})
 
 #: What the ``draft_dtype`` knob takes: "auto" (the target's dtype) or a dtype vLLM's CPU and GPU
 #: platforms run a model in.
@@ -81,6 +81,12 @@ class DSBDConfig:
     """Engine-wide only: the dtype the draft model computes in (weights, activations, its KV cache);
     "auto" = the target's ``--dtype``. Any dtype keeps DSBD exact: q is whatever the draft samples from."""
 
+    draft_in_step: bool = False
+    """Engine-wide only, experimental (needs an EAGLE-3 head): a fixed-depth DSBD iteration's forest is
+    drafted inside the verify step before it (``engine.forest_draft``) instead of in draft steps of its
+    own, after the first iteration of a request. Not for MJSD, memory-efficient or auto_depth requests,
+    which draft in draft steps as before."""
+
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, low=1)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, low=0)
@@ -94,6 +100,7 @@ class DSBDConfig:
         _check_bool("fixed_width", self.fixed_width)
         _check_bool("memory_efficient", self.memory_efficient)
         _check_bool("auto_depth", self.auto_depth)
+        _check_bool("draft_in_step", self.draft_in_step)
         _check_int("draft_vocab_size", self.draft_vocab_size, low=0)
         if self.draft_dtype not in DRAFT_DTYPES:
             raise ValueError(f"DSBD knob 'draft_dtype'={self.draft_dtype!r} is invalid; allowed: "

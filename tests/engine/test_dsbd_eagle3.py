@@ -262,3 +262,55 @@ def test_forest_attention_gives_the_draft_steps_logits(head_llm, monkeypatch):
         (diffs,) = head_llm.collective_rpc(_forest_check_result)
     assert len(diffs[1]) >= 3 * 4 and len(diffs[2]) >= 3 * 4, {k: len(v) for k, v in diffs.items()}
     assert max(diffs[1] + diffs[2]) < 1e-3, diffs
+
+
+@pytest.fixture
+def in_step_llm(engine_pool, tiny_eos_target, heads):
+    """A head-drafted DSBD engine with ``draft_in_step``: the next forest is drawn inside each verify step."""
+    return engine_pool.get("in_step_llm", lambda: start_spec_llm(tiny_eos_target, heads["speculators"], {},
+                                                                 knobs={"draft_in_step": True}))
+
+
+def _steps(llm) -> dict[str, int]:
+    return {kind: int(p["steps"]) for kind, p in llm.collective_rpc("dsbd_step_profile")[0].items()}
+
+
+def test_only_a_requests_first_iteration_takes_draft_steps_when_drafting_inside_the_verify_step(in_step_llm):
+    """Every later forest is drawn in the verify step before it: at most γ draft steps per request (drafting
+    in draft steps takes γ per iteration: 4 iterations or more here)."""
+    before = _steps(in_step_llm)
+    in_step_llm.generate(PROMPTS, _beams(4, 2, 12, ignore_eos=True), use_tqdm=False)
+    after = _steps(in_step_llm)
+    drafts, verifies = (after.get(k, 0) - before.get(k, 0) for k in ("draft", "verify"))
+    assert drafts <= 2 * len(PROMPTS) and verifies >= 12 // 3, (drafts, verifies)
+
+
+@pytest.mark.parametrize("width, gamma", [(2, 1), (4, 3), (8, 2)])
+def test_drafting_inside_the_verify_step_equals_beam_search_with_eos(in_step_llm, tiny_eos_llm, width, gamma):
+    want = beam_search(tiny_eos_llm, PROMPTS, width, 10)
+    _assert_same_search(want, in_step_llm.generate(PROMPTS, _beams(width, gamma, 10), use_tqdm=False))
+
+
+def test_drafting_inside_the_verify_step_is_distributed_as_beam_sampling(in_step_llm, tiny_eos_target):
+    """As the draft-step test above: 2,000 seeded requests, γ = 2 (the second iteration's forest is drawn
+    in the first verify step), against exact enumeration; the planted bug is rejected."""
+    params = [_beams(2, 2, 4, temperature=1.0, top_k=3, ignore_eos=True, seed=seed, extra={"fixed_width": True})
+              for seed in range(2000)]
+    outs = in_step_llm.generate(["The capital of France is"] * len(params), params, use_tqdm=False)
+    assert_distributed_as_beam_sampling(outs, tiny_eos_target, 2, 4, 3)
+
+
+def test_drafting_inside_the_verify_step_in_a_mixed_batch_and_without_leaks(in_step_llm):
+    from vllm import SamplingParams
+
+    jobs = [(PROMPTS[0], _beams(2, 3, 8)), (PROMPTS[1], _beams(4, 1, 8, temperature=0.8, seed=4)),
+            (PROMPTS[2], _beams(3, 2, 8, extra={"auto_depth": True})),
+            (PROMPTS[1], SamplingParams(temperature=1.0, seed=2, max_tokens=8,
+                                        extra_args={"decoder": "mjsd", "beam_width": 2, "num_speculative_tokens": 2})),
+            (PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=8))] * 2
+    together = in_step_llm.generate([p for p, _ in jobs], [s for _, s in jobs], use_tqdm=False)
+    for (prompt, params), out in zip(jobs, together):
+        alone = in_step_llm.generate([prompt], params, use_tqdm=False)[0]
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
+    assert_kv_freed_after_finish_and_abort(in_step_llm, _beams(3, 3, 30, temperature=0.9, seed=1),
+                                           lambda i: _beams(4, 3, 200, temperature=1.0, seed=i), "abort-in-step")

@@ -213,3 +213,35 @@ def test_an_iteration_without_draft_layers_is_a_beam_step_unless_mjsd_or_memory_
         group.start_iteration(0)
         group.apply(decision([(0, 13, -1.5), (1, 14, -2.5), (0, 15, -2.6)]))
         assert not group.in_iteration and group.path_requests == [] and group.num_generated == 2
+
+
+def test_layers_drafted_inside_the_verify_step_set_up_the_forest_at_once():
+    """``apply_drafted`` (draft_in_step) makes no node requests: the forest's paths come at once, the same
+    paths that the same layers committed one draft step at a time give; a forest ending early (its nodes
+    finished) has fewer layers; more layers than the iteration's γ are refused."""
+    from vllm_dsbd.engine.beam_group import PathRequest
+    from vllm_dsbd.engine.protocol import DraftDecision
+
+    layers = [DraftDecision("g", [0, 0, 2], [20, 21, 22], [-1.5, -1.6, -3.5]),
+              DraftDecision("g", [1, 0, 0], [30, 31, 32], [-2.0, -2.1, -2.2])]
+    by_steps, _ = three_beam_group(num_speculative_tokens=2)
+    by_steps.start_iteration()
+    for layer in layers:
+        effects = by_steps.apply_draft(layer)
+        for fork in effects.forks:
+            fork.child.request = Req(f"node{fork.token}")
+    at_once, _ = three_beam_group(num_speculative_tokens=2)
+    at_once.start_iteration(2)
+    effects = at_once.apply_drafted(layers)
+    assert not effects.forks and all(isinstance(op, PathRequest) for op in effects.ops)
+    assert at_once.paths == by_steps.paths and not at_once.drafting
+    assert [op.spec_tokens for op in effects.ops] == [pr.spec_tokens for pr in by_steps.path_requests]
+
+    early, _ = three_beam_group(num_speculative_tokens=2)
+    early.start_iteration(2)
+    early.apply_drafted(layers[:1])
+    assert early.num_draft_layers == 1 and max(len(path) for path in early.paths) == 2
+    refused, _ = three_beam_group(num_speculative_tokens=2)
+    refused.start_iteration(1)
+    with pytest.raises(RuntimeError, match="2 drafted layers for an iteration of 1"):
+        refused.apply_drafted(layers)

@@ -177,6 +177,7 @@ class BeamGroup:
         self.paths: list[tuple[int, ...]] = []  # node ids, root first
         self.aliases: dict[int, int] = {}  # leaf -> its twin (same parent and token), which has the path
         self.path_requests: list[PathRequest] = []
+        self.draft_in_step = False  # set by the scheduler: the runner drafts the next forest while verifying
 
     @property
     def speculative(self) -> bool:
@@ -274,6 +275,16 @@ class BeamGroup:
             effects.ops += self._set_up_paths()
         return effects
 
+    def apply_drafted(self, decisions: list[DraftDecision]) -> StepEffects:
+        """Commit the layers the runner drew inside the verify step (``engine.forest_draft``): no node requests;
+        the forest ends with them, and its paths are set up at once."""
+        if not 0 < len(decisions) <= self.num_draft_layers or self.layers:
+            raise RuntimeError(f"beam group {self.group_id}: {len(decisions)} drafted layers for an iteration of "
+                               f"{self.num_draft_layers} with {len(self.layers)} drafted")
+        self.layers = [[DraftNode(*node) for node in zip(d.parents, d.tokens, d.scores)] for d in decisions]
+        self.num_draft_layers = len(self.layers)
+        return StepEffects(self._set_up_paths())
+
     def _forest(self) -> tuple[list[list[int]], list[list[int]], list[list[bool]]]:
         width = self.params.beam_width
         parents = [[0] * width for _ in self.layers]
@@ -364,6 +375,8 @@ class BeamGroup:
             seq_len=self.prompt_len + self.num_generated, num_out=1 if p.memory_efficient else width,
             width_threshold=1.0 if p.temperature == 0 else p.width_threshold, min_width=p.min_width,
             num_logprobs=p.num_logprobs, tails=self.tails(self.beams), mjsd_tau=p.mjsd_tau,
+            draft_next=p.num_speculative_tokens if self.draft_in_step else 0,
+            max_tokens_left=p.max_tokens - self.num_generated,
         )
 
     def node_path(self, node: int) -> tuple[int, list[int]]:

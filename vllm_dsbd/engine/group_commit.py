@@ -71,7 +71,8 @@ class CommitMixin:
         if group.group_id in self.groups:
             for b in group.beams:
                 b.request.dsbd_target = b.request.num_computed_tokens
-            self._start_iteration(group, freed, rewind=False, own_tokens=own_tokens)
+            self._start_iteration(group, freed, rewind=False, own_tokens=own_tokens,
+                                  drafted=getattr(decision, "next_layers", None))
 
     def _observe(self, proposed: list[int], accepted: list[int], widths: list[int], num_draft_layers: int) -> None:
         """DSBD in vLLM's spec-decode counters: a draft = one iteration (one target forward of the
@@ -107,10 +108,17 @@ class CommitMixin:
                 r.num_computed_tokens = r.dsbd_target
 
     def _start_iteration(self, group: BeamGroup, freed: set[Request], rewind: bool = True,
-                         own_tokens: int | None = None) -> None:
+                         own_tokens: int | None = None, drafted: list | None = None) -> None:
         """The beams' KV is complete up to their last token (``rewind``: up to the end; the last token
         is recomputed with the forest): the next DSBD iteration starts. ``own_tokens``: the group's tokens
-        in the step just run (default: its beams')."""
+        in the step just run (default: its beams'). ``drafted``: its draft layers, drawn by the runner in
+        the verify step just run (``engine.forest_draft``): the forest's paths are set up at once."""
+        if drafted:
+            for b in group.beams:  # the head's KV follows the target's (every target step runs the head)
+                b.request.dsbd_draft = b.request.dsbd_target
+            self._carry_out(group, group.start_iteration(len(drafted)), freed, {})
+            self._carry_out(group, group.apply_drafted(drafted), freed, {})
+            return
         if own_tokens is None:
             own_tokens = self._step_tokens_of(group.requests())
         for b in group.beams:

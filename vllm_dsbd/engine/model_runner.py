@@ -41,7 +41,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_dsbd.config import DSBDConfig
-from vllm_dsbd.engine import beam_step, draft_head, eagle3, mjsd_step, spec_step
+from vllm_dsbd.engine import beam_step, draft_head, eagle3, forest_attention, forest_draft, mjsd_step, spec_step
 from vllm_dsbd.engine.protocol import PLAN_ATTR, RESULT_ATTR, StepPlan, StepResult, layer_slot
 from vllm_dsbd.engine.stops import StopCheckers
 
@@ -57,6 +57,7 @@ class DSBDModelRunnerMixin:
     _dsbd_head = False  # the draft is an EAGLE-3 head (engine.eagle3)
     _dsbd_features: eagle3.FeatureCache | None = None
     _dsbd_features_gid = 0  # the KV-cache group of the target's (and the head's) layers
+    _dsbd_forest_layers: list[str] = []  # the head's attention layers, with draft_in_step (engine.forest_draft)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -73,6 +74,14 @@ class DSBDModelRunnerMixin:
             if head:  # the target exports its aux hidden states (set up by vLLM's load_model) ...
                 self.use_aux_hidden_state_outputs = True
                 self.drafter.pass_hidden_states_to_model = True  # ... and the head's dummy runs get features
+        config = DSBDConfig.from_vllm_config(self.vllm_config)
+        self._dsbd_in_step = config is not None and config.draft_in_step
+        if self._dsbd_in_step and not self._dsbd_head:
+            raise ValueError("DSBD knob 'draft_in_step'=True needs an EAGLE-3 head as the draft (speculative_config "
+                             "'model'); this draft is a causal LM. Set draft_in_step to false.")
+        if self._dsbd_in_step and not isinstance(self, CPUModelRunner):
+            raise ValueError("DSBD knob 'draft_in_step'=True runs on CPU engines only so far (its forest attention "
+                             "reads vLLM's CPU KV layout, engine.forest_attention). Set draft_in_step to false.")
 
     def _dsbd_decode(self):
         """The target tokenizer's decode, loaded on the first beam request with stop strings."""
@@ -102,6 +111,8 @@ class DSBDModelRunnerMixin:
             draft_head.install_reduced_head(drafter.model, ids)
         if self._dsbd_head:
             eagle3.share_target_embeddings(drafter.model, self.get_model())
+        if self._dsbd_in_step:
+            self._dsbd_forest_layers = forest_attention.install(drafter.model)
         self.model.compute_logits = self._shared_node_logits(self.model.compute_logits)
         models = [self.model] + ([drafter.model] if drafter is not None else [])
         for model in models:  # the logits are part of the forward in the step profile
@@ -155,26 +166,34 @@ class DSBDModelRunnerMixin:
         return num_rows, table.slot_mapping.gpu[:num_rows], table
 
     def _target_forward_with_features(self, *args, **kwargs):
-        """A target forward that also stores the head's input feature, fc(aux hidden states), at each row's slot."""
+        """A target forward that also stores the head's input feature, fc(aux hidden states), at each row's slot;
+        with draft_in_step, the head then runs over the same rows (its KV of every token the target computes)."""
         _, aux = output = super()._model_forward(*args, **kwargs)
         num_rows, slots, _ = self._dsbd_slots()
         stacked = torch.cat([a[:num_rows] for a in aux], dim=-1).to(self._dsbd_features.features.dtype)
         self._dsbd_features.write(slots, self.drafter.model.combine_hidden_states(stacked))
+        if self._dsbd_in_step:
+            self._head_rows(kwargs["input_ids"], kwargs["positions"])
         return output
+
+    def _head_rows(self, input_ids, positions):
+        """The head over this step's rows, row p fed the feature of p - 1 of its request (its KV goes to the
+        rows' slots): (normed hidden states, the head's own features)."""
+        num_rows, _, table = self._dsbd_slots()
+        req_indices = self.req_indices.gpu[:num_rows]
+        prev = eagle3.previous_slots(positions[:num_rows], req_indices, table.block_table.gpu, table.block_size)
+        padded = positions.shape[0]
+        if padded > num_rows:
+            prev = torch.cat([prev, prev.new_full((padded - num_rows,), -1)])
+        return self.drafter.model(input_ids=input_ids, positions=positions, hidden_states=self._dsbd_features.read(prev),
+                                  inputs_embeds=None)
 
     def _head_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
                       **model_kwargs):
         """A draft step of an EAGLE-3 head: the row at position p reads the feature of p - 1 of its request;
         each request whose last token ran stores the head's own feature there (its children read it)."""
-        num_rows, slots, table = self._dsbd_slots()
-        padded = positions.shape[0]
-        req_indices = self.req_indices.gpu[:num_rows]
-        prev = eagle3.previous_slots(positions[:num_rows], req_indices, table.block_table.gpu, table.block_size)
-        if padded > num_rows:
-            prev = torch.cat([prev, prev.new_full((padded - num_rows,), -1)])
-        features = self._dsbd_features.read(prev)
-        normed, own = self.drafter.model(input_ids=input_ids, positions=positions, hidden_states=features,
-                                         inputs_embeds=inputs_embeds)
+        num_rows, slots, _ = self._dsbd_slots()
+        normed, own = self._head_rows(input_ids, positions)
         num_reqs = self.input_batch.num_reqs
         scheduled = self.num_scheduled_tokens.np[:num_reqs]
         ends = self.input_batch.num_computed_tokens_cpu[:num_reqs] + scheduled
@@ -256,6 +275,8 @@ class DSBDModelRunnerMixin:
                               else torch.zeros((0, vs.beam_width * logits.shape[-1])))
                 verify = spec_step.verify if vs.mjsd_tau is None else mjsd_step.verify
                 decision = verify(path_logits, vs, joints, self._dsbd_stops)
+                if vs.draft_next:  # the next iteration's forest, in this step (engine.forest_draft)
+                    decision.next_layers = forest_draft.draft(self, vs, decision)
                 result.verify_decisions[vs.group_id] = decision
                 for i, tokens in zip(rows, _path_row_tokens(vs, decision)):
                     _set_row(sampled, discard, i, tokens)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 PLAN_ATTR = "dsbd_plan"
 RESULT_ATTR = "dsbd_result"
@@ -108,6 +108,10 @@ class VerifyStep(GroupDecoding):
     path; the target computed it once, on the twin's path (``BeamGroup._set_up_paths``)."""
     mjsd_tau: float | None = None
     """MJSD (``engine.mjsd_step``): ``paths`` is the one draft path to verify, with this τ; None: DSBD."""
+    draft_next: int = 0
+    """γ of the next iteration, drafted by the runner right after this verification (an EAGLE-3 head with
+    ``draft_in_step``; ``engine.forest_draft``), cut to ``max_tokens_left``; 0: by draft steps, as before."""
+    max_tokens_left: int = 0  # max_tokens - generated before this iteration (with draft_next)
 
 
 @dataclass
@@ -180,6 +184,8 @@ class VerifyDecision:
     num_proposed: list[int]  # [layers] draft nodes per verified layer
     num_accepted: list[int]  # [layers] accepted draft nodes per verified layer
     widths: list[int]  # [num_passed + 1] live beams (not finished) at each layer produced; at most W
+    next_layers: list[DraftDecision] = field(default_factory=list)
+    """With ``VerifyStep.draft_next``: the next iteration's draft layers, drawn from the new beams."""
 
 
 @dataclass
