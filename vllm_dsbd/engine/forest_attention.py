@@ -11,7 +11,8 @@ A *forest row* is one token of a draft forest being built inside a worker step: 
    several children of one node sit at the same position of the same request);
 3. itself.
 
-Nothing is written to the paged cache. The head runs as it does in a draft step (vLLM's own module, its
+A row may also write its K/V to a paged slot (``ForestRows.slots``: verified tokens, whose head KV later
+iterations read as context); draft rows are written nowhere but the scratch. The head runs as it does in a draft step (vLLM's own module, its
 rotary embedding and projections); only its attention kernel is swapped, per call, through the layer's
 ``impl`` (:class:`ForestAttentionImpl`, installed once; any other metadata goes to vLLM's kernel).
 
@@ -106,8 +107,9 @@ class ForestRows:
 
     block_tables: list[Tensor]  # per row: the blocks of its context's request
     context_lens: list[int]  # per row: paged positions it reads
-    ancestors: list[list[int]]  # per row: scratch row ids, root side first
+    ancestors: list[list[int]]  # per row: scratch row ids (given in call order from 0), root side first
     scratch: ScratchKV
+    slots: list[int] | None = None  # per row: a paged KV slot its K/V is also written to (-1: none)
     row_ids: list[int] = field(default_factory=list)  # set by the call: this call's rows in ``scratch``
 
 
@@ -142,6 +144,10 @@ class ForestAttentionImpl:
         k = key[:num].view(num, inner.num_kv_heads, inner.head_size)
         v = value[:num].view(num, inner.num_kv_heads, inner.head_size)
         ids = rows.scratch.add(self.layer_name, k, v)
+        if rows.slots is not None and any(slot >= 0 for slot in rows.slots):
+            slots = torch.tensor(rows.slots, device=key.device)
+            keep = (slots >= 0).nonzero()[:, 0]
+            inner.do_kv_cache_update(layer, k[keep], v[keep], kv_cache, slots[keep])
         scratch_k, scratch_v = rows.scratch.keys[self.layer_name], rows.scratch.values[self.layer_name]
         group = inner.num_heads // inner.num_kv_heads
         out = output[:num].view(num, inner.num_heads, inner.head_size)

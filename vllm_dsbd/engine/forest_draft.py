@@ -1,19 +1,20 @@
 """Drafting the next DSBD iteration inside the verify step (the engine-wide knob ``draft_in_step``).
 
 With an EAGLE-3 head, the runner draws the next iteration's γ draft layers right after it verified the
-current one, in the same worker step, so an iteration costs one engine step instead of γ + 1:
+current one, in the same worker step, so an iteration costs one engine step instead of γ + 1. The head runs
+on *forest rows* (``engine.forest_attention``), each reading the paged head KV of its beam's context:
 
-- every target step also runs the head over its rows (``DSBDModelRunnerMixin._target_forward_with_features``),
-  so the head's paged KV of every verified token is computed from the target's own features;
-- each new beam's last token (the token verification drew) is a forest row
-  (``engine.forest_attention``): it reads its path request's paged head KV up to the accepted tokens and
-  the target's feature of the token before it; each draft node of layer k is a row whose ancestors are
-  the rows above it, fed the head's own output at its parent;
+- layer 1: per path that a new beam continues, its verified tokens (the root's last token, then the
+  accepted draft tokens), fed the target's features of the tokens before them, their head KV also
+  written to the path request's slots (the next iteration's context); then each new beam's last token
+  (the one verification drew), whose ancestors are its path's verified rows;
+- layer k: each draft node of layer k - 1 that does not finish, fed the head's own output at its parent,
+  its ancestors the rows above it;
 - each layer's W nodes are drawn by ``spec_step.draft_layer`` with the seed of the next iteration's draft
   step (``step + 1``, the same layer numbers), and the joints go to the runner's ``DraftStore``.
 
 The scheduler then sets up the paths of the next forest at once (``BeamGroup.apply_drafted``). A request's
-first iteration still drafts in draft steps (its beams come from a prefill, not a verification).
+first iteration still drafts in draft steps, which also compute the head KV of its prompt.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from vllm_dsbd.algorithm import token_finishes
-from vllm_dsbd.engine import eagle3, forest_attention, spec_step
-from vllm_dsbd.engine.protocol import DraftDecision, DraftStep, VerifyDecision, VerifyStep
+from vllm_dsbd.engine import forest_attention, spec_step
+from vllm_dsbd.engine.protocol import DraftDecision, DraftStep, VerifyDecision, VerifyStep, layer_slot
 
 
 def num_layers(vs: VerifyStep, decision: VerifyDecision) -> int:
@@ -39,32 +40,54 @@ def draft(runner, vs: VerifyStep, decision: VerifyDecision) -> list[DraftDecisio
         return []
     batch = runner.input_batch
     table = batch.block_table[runner._dsbd_features_gid]
+    size = table.block_size
     aliases = dict(vs.aliases)
-    depth = decision.num_passed
-    position = vs.seq_len + depth  # of every new beam's last token (the roots' last tokens are at seq_len - 1)
-    blocks, feature_slots, tokens = [], [], []
+    depth, root_len = decision.num_passed, vs.seq_len  # the roots' last tokens are at root_len - 1
+
+    def slot(blocks, pos: int) -> int:
+        return int(blocks[pos // size]) * size + pos % size if pos >= 0 else -1
+
+    # Layer 1's rows: per path a new beam continues, its verified tokens (the root's last token, then the accepted
+    # draft tokens; their head KV also goes to the path request's slots), then each new beam's last token.
+    rows = forest_attention.ForestRows([], [], [], forest_attention.ScratchKV(), slots=[])
+    tokens, positions, feature_slots, last_rows, chains = [], [], [], [], {}
+
+    def add(token: int, pos: int, blocks, paged: bool, ancestors: list[int]) -> int:
+        tokens.append(token)
+        positions.append(pos)
+        feature_slots.append(slot(blocks, pos - 1))
+        rows.block_tables.append(blocks)
+        rows.context_lens.append(root_len - 1)
+        rows.ancestors.append(ancestors)
+        rows.slots.append(slot(blocks, pos) if paged else -1)
+        return len(tokens) - 1
+
     for c in decision.beams:
         parent = aliases.get(c.parent, c.parent)
         path = next(k for k, nodes in enumerate(vs.paths) if parent in nodes)
-        row_blocks = table.block_table.cpu[batch.req_id_to_index[vs.path_req_ids[path]]]
-        blocks.append(row_blocks)
-        feature_slots.append(eagle3.previous_slots(torch.tensor([position]), torch.tensor([0]), row_blocks[None],
-                                                   table.block_size))
-        tokens.append(c.token)
-    features = runner._dsbd_features.read(torch.cat(feature_slots).to(runner._dsbd_features.features.device))
-    scratch = forest_attention.ScratchKV()
-    rows = forest_attention.ForestRows(blocks, [position] * len(tokens), [[] for _ in tokens], scratch)
+        index = batch.req_id_to_index[vs.path_req_ids[path]]
+        blocks = table.block_table.cpu[index]
+        if path not in chains:
+            verified = [int(batch.token_ids_cpu[index, root_len - 1])] + [
+                vs.draft_tokens[layer - 1][s] for layer, s in (layer_slot(n, vs.beam_width)
+                                                               for n in vs.paths[path][1:depth + 1])]
+            chain: list[int] = []
+            for j, token in enumerate(verified):
+                chain.append(add(token, root_len - 1 + j, blocks, True, list(chain)))
+            chains[path] = chain
+        last_rows.append(add(c.token, root_len + depth, blocks, False, list(chains[path])))
+    features = runner._dsbd_features.read(torch.tensor(feature_slots, device=runner._dsbd_features.features.device))
     scores = [c.score for c in decision.beams]
-    slots = list(range(len(tokens)))
+    slots = list(range(len(last_rows)))
     out = []
     for layer in range(1, layers + 1):
-        logits, own = _forward(runner, tokens, [position + layer - 1] * len(tokens), features, rows)
+        logits, own = _forward(runner, tokens, positions, features, rows, last_rows)
         ds = DraftStep(
             group_id=vs.group_id, beam_width=vs.beam_width, temperature=vs.temperature, top_k=vs.top_k,
             top_p=vs.top_p, length_penalty=vs.length_penalty, ignore_eos=vs.ignore_eos,
             eos_token_id=vs.eos_token_id, stop_token_ids=vs.stop_token_ids, stop=vs.stop, seed=vs.seed,
             step=vs.step + 1, layer=layer, req_ids=tuple(str(s) for s in slots), slots=tuple(slots),
-            scores=tuple(scores), seq_len=position + layer)
+            scores=tuple(scores), seq_len=root_len + depth + layer)
         chosen, joint = spec_step.draft_layer(logits, {str(s): r for r, s in enumerate(slots)}, ds)
         if joint is not None:
             runner._dsbd_drafts.put(vs.group_id, vs.step + 1, layer, joint)
@@ -73,23 +96,25 @@ def draft(runner, vs: VerifyStep, decision: VerifyDecision) -> list[DraftDecisio
                 if not token_finishes(t, vs.eos_token_id, vs.ignore_eos, vs.stop_token_ids)]
         if layer == layers or not grow:
             break
-        row_of_slot = {s: r for r, s in enumerate(slots)}
-        parent_rows = [row_of_slot[chosen.parents[j]] for j in grow]
+        row_of_slot = {s: last_rows[r] for r, s in enumerate(slots)}  # a node's parent: its row in this call
+        parents = [row_of_slot[chosen.parents[j]] for j in grow]
         tokens = [chosen.tokens[j] for j in grow]
-        features = own[torch.tensor(parent_rows, device=own.device)]
+        positions = [root_len + depth + layer] * len(grow)
+        features = own[torch.tensor(parents, device=own.device)]
         rows = forest_attention.ForestRows(
-            [rows.block_tables[r] for r in parent_rows], [rows.context_lens[r] for r in parent_rows],
-            [rows.ancestors[r] + [rows.row_ids[r]] for r in parent_rows], scratch)
+            [rows.block_tables[r] for r in parents], [rows.context_lens[r] for r in parents],
+            [rows.ancestors[r] + [rows.row_ids[r]] for r in parents], rows.scratch)
+        last_rows = list(range(len(grow)))
         scores, slots = [chosen.scores[j] for j in grow], grow
     return out
 
 
 def _forward(runner, tokens: list[int], positions: list[int], features: torch.Tensor,
-             rows: forest_attention.ForestRows) -> tuple[torch.Tensor, torch.Tensor]:
-    """The head's logits [rows, V] and own features at forest rows."""
+             rows: forest_attention.ForestRows, logit_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's logits at ``logit_rows`` [len, V] and its own features at every forest row."""
     head = runner.drafter.model
     device = features.device
     normed, own = forest_attention.head_forward(
         head, runner._dsbd_forest_layers, runner.vllm_config, torch.tensor(tokens, device=device),
         torch.tensor(positions, device=device), features, rows)
-    return head.compute_logits(normed), own
+    return head.compute_logits(normed[torch.tensor(logit_rows, device=device)]), own

@@ -166,14 +166,11 @@ class DSBDModelRunnerMixin:
         return num_rows, table.slot_mapping.gpu[:num_rows], table
 
     def _target_forward_with_features(self, *args, **kwargs):
-        """A target forward that also stores the head's input feature, fc(aux hidden states), at each row's slot;
-        with draft_in_step, the head then runs over the same rows (its KV of every token the target computes)."""
+        """A target forward that also stores the head's input feature, fc(aux hidden states), at each row's slot."""
         _, aux = output = super()._model_forward(*args, **kwargs)
         num_rows, slots, _ = self._dsbd_slots()
         stacked = torch.cat([a[:num_rows] for a in aux], dim=-1).to(self._dsbd_features.features.dtype)
         self._dsbd_features.write(slots, self.drafter.model.combine_hidden_states(stacked))
-        if self._dsbd_in_step:
-            self._head_rows(kwargs["input_ids"], kwargs["positions"])
         return output
 
     def _head_rows(self, input_ids, positions):
