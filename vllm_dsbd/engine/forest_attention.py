@@ -148,18 +148,31 @@ class ForestAttentionImpl:
             slots = torch.tensor(rows.slots, device=key.device)
             keep = (slots >= 0).nonzero()[:, 0]
             inner.do_kv_cache_update(layer, k[keep], v[keep], kv_cache, slots[keep])
-        scratch_k, scratch_v = rows.scratch.keys[self.layer_name], rows.scratch.values[self.layer_name]
         group = inner.num_heads // inner.num_kv_heads
         out = output[:num].view(num, inner.num_heads, inner.head_size)
+        chains = [[*rows.ancestors[r], ids[r]] for r in range(num)]
+        width = max(len(c) for c in chains)
+        pad = torch.tensor([c + [c[-1]] * (width - len(c)) for c in chains])  # [num, A] scratch ids
+        scratch_k = torch.stack(rows.scratch.keys[self.layer_name])[pad].float()  # [num, A, kvh, hd]
+        scratch_v = torch.stack(rows.scratch.values[self.layer_name])[pad].float()
+        lengths = torch.tensor([len(c) for c in chains])
+        chain_mask = torch.arange(width)[None, :] < lengths[:, None]  # [num, A]
+        contexts: dict[tuple[int, int], list[int]] = {}  # rows sharing a context read it once
         for r in range(num):
-            ctx_k, ctx_v = self._reader.read(kv_cache, rows.block_tables[r], rows.context_lens[r])
-            chain = [*rows.ancestors[r], ids[r]]
-            keys = torch.cat([ctx_k, torch.stack([scratch_k[i] for i in chain])]).float()  # [n, kvh, hd]
-            values = torch.cat([ctx_v, torch.stack([scratch_v[i] for i in chain])]).float()
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
-            scores = torch.einsum("hd,nhd->hn", q[r].float(), keys) * inner.scale
-            out[r] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values).to(out.dtype)
+            contexts.setdefault((id(rows.block_tables[r]), rows.context_lens[r]), []).append(r)
+        for members in contexts.values():
+            first = members[0]
+            ctx_k, ctx_v = self._reader.read(kv_cache, rows.block_tables[first], rows.context_lens[first])
+            index = torch.tensor(members)
+            qm = q[index].float().view(len(members), inner.num_kv_heads, group, inner.head_size)
+            ctx_scores = torch.einsum("rkgd,lkd->rkgl", qm, ctx_k.float())
+            own_scores = torch.einsum("rkgd,rakd->rkga", qm, scratch_k[index])
+            own_scores = own_scores.masked_fill(~chain_mask[index][:, None, None, :], float("-inf"))
+            probs = (torch.cat([ctx_scores, own_scores], -1) * inner.scale).softmax(-1)
+            length = ctx_k.shape[0]
+            attended = (torch.einsum("rkgl,lkd->rkgd", probs[..., :length], ctx_v.float())
+                        + torch.einsum("rkga,rakd->rkgd", probs[..., length:], scratch_v[index]))
+            out[index] = attended.reshape(len(members), inner.num_heads, inner.head_size).to(out.dtype)
         rows.row_ids = ids
         return output
 
