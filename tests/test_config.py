@@ -32,6 +32,7 @@ def test_defaults_follow_algorithm_md():
         ({"draft_dtype": "int8"}, "draft_dtype"),
         ({"draft_dtype": None}, "draft_dtype"),
         ({"draft_dtype": "BF16"}, "draft_dtype"),
+        ({"draft_in_step": "yes"}, "draft_in_step"),
         ({"decoder": "beam"}, "decoder"),
         ({"decoder": None}, "decoder"),
         ({"mjsd_tau": -0.1}, "mjsd_tau"),
@@ -90,6 +91,8 @@ def test_engine_wide_knobs_are_refused_per_request():
         engine.for_request({"draft_vocab_size": 1000})
     with pytest.raises(ValueError, match=r"\['draft_dtype'\] are engine-wide"):
         engine.for_request({"draft_dtype": "bfloat16"})
+    with pytest.raises(ValueError, match=r"\['draft_in_step'\] are engine-wide"):
+        engine.for_request({"draft_in_step": True})
 
 
 @pytest.mark.parametrize("knobs, knob", [

@@ -174,6 +174,15 @@ def test_draft_dtype_without_a_draft_is_refused(tiny_pair):
         args.create_engine_config()
 
 
+def test_draft_in_step_needs_an_eagle3_head_and_a_draft(tiny_pair):
+    with pytest.raises(ValueError, match=r"'draft_in_step'=True needs an EAGLE-3 head as the draft; .* is a causal LM"):
+        _engine_args(tiny_pair, draft_in_step=True).create_engine_config()
+    args = _engine_args(tiny_pair, num_speculative_tokens=0, draft_in_step=True)
+    del args.speculative_config["model"]
+    with pytest.raises(ValueError, match=r"'draft_in_step'=True drafts inside the verify step.*uses no draft"):
+        args.create_engine_config()
+
+
 @pytest.mark.parametrize("target, draft_dtype, want", [
     ("float32", "bfloat16", "bfloat16"), ("bfloat16", "float32", "float32"),
     ("bfloat16", "auto", "bfloat16"), ("float32", "auto", "float32"),

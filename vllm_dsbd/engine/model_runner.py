@@ -75,13 +75,8 @@ class DSBDModelRunnerMixin:
                 self.use_aux_hidden_state_outputs = True
                 self.drafter.pass_hidden_states_to_model = True  # ... and the head's dummy runs get features
         config = DSBDConfig.from_vllm_config(self.vllm_config)
-        self._dsbd_in_step = config is not None and config.draft_in_step
-        if self._dsbd_in_step and not self._dsbd_head:
-            raise ValueError("DSBD knob 'draft_in_step'=True needs an EAGLE-3 head as the draft (speculative_config "
-                             "'model'); this draft is a causal LM. Set draft_in_step to false.")
-        if self._dsbd_in_step and not isinstance(self, CPUModelRunner):
-            raise ValueError("DSBD knob 'draft_in_step'=True runs on CPU engines only so far (its forest attention "
-                             "reads vLLM's CPU KV layout, engine.forest_attention). Set draft_in_step to false.")
+        # an EAGLE-3 head on a CPU engine (checked with the engine config: patches.engine_config)
+        self._dsbd_in_step = self._dsbd_head and config is not None and config.draft_in_step
 
     def _dsbd_decode(self):
         """The target tokenizer's decode, loaded on the first beam request with stop strings."""

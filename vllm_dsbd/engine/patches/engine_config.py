@@ -209,6 +209,9 @@ def _take_dsbd_config(args: Any) -> DSBDConfig | None:
         if dsbd.draft_dtype != "auto":
             raise ValueError(f"DSBD knob 'draft_dtype'={dsbd.draft_dtype!r} sets the draft's dtype, "
                              "and 'num_speculative_tokens'=0 uses no draft; remove it.")
+        if dsbd.draft_in_step:
+            raise ValueError("DSBD knob 'draft_in_step'=True drafts inside the verify step, and "
+                             "'num_speculative_tokens'=0 uses no draft; remove it.")
         if raw.get("model"):
             raise ValueError(
                 "DSBD knob 'num_speculative_tokens'=0 decodes beams without a draft, but a draft "
@@ -274,6 +277,15 @@ def prepare_eagle3_head(config: Any, dsbd: DSBDConfig) -> None:
     from vllm_dsbd.engine.eagle3 import check_head, head_architecture
 
     head = head_architecture(config.draft_model_config.hf_config)
+    if dsbd.draft_in_step:
+        from vllm.platforms import current_platform
+
+        if head is None:
+            raise ValueError(f"DSBD knob 'draft_in_step'=True needs an EAGLE-3 head as the draft; "
+                             f"{config.draft_model_config.model} is a causal LM. Set draft_in_step to false.")
+        if not current_platform.is_cpu():
+            raise ValueError("DSBD knob 'draft_in_step'=True runs on CPU engines only so far (its forest attention "
+                             "reads vLLM's CPU KV layout). Set draft_in_step to false.")
     if head is None:
         return
     if dsbd.draft_vocab_size:
