@@ -114,7 +114,7 @@ class CommitMixin:
         in the step just run (default: its beams'). ``drafted``: its draft layers, drawn by the runner in
         the verify step just run (``engine.forest_draft``): the forest's paths are set up at once."""
         if drafted:
-            for b in group.beams:  # the head's KV follows the target's (every target step runs the head)
+            for b in group.beams:  # the runner wrote the head's KV of the verified tokens (forest_draft)
                 b.request.dsbd_draft = b.request.dsbd_target
             self._carry_out(group, group.start_iteration(len(drafted)), freed, {})
             self._carry_out(group, group.apply_drafted(drafted), freed, {})
