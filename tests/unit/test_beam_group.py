@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams, Extend, Fork, Free
+from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams
+from vllm_dsbd.engine.group_effects import Extend, Fork, Free
 from vllm_dsbd.engine.protocol import BeamChoice, GroupDecision, TokenLogprob
 
 EOS = 2
@@ -219,7 +220,7 @@ def test_layers_drafted_inside_the_verify_step_set_up_the_forest_at_once():
     """``apply_drafted`` (draft_in_step) makes no node requests: the forest's paths come at once, the same
     paths that the same layers committed one draft step at a time give; a forest ending early (its nodes
     finished) has fewer layers; more layers than the iteration's γ are refused."""
-    from vllm_dsbd.engine.beam_group import PathRequest
+    from vllm_dsbd.engine.group_effects import PathRequest
     from vllm_dsbd.engine.protocol import DraftDecision
 
     layers = [DraftDecision("g", [0, 0, 2], [20, 21, 22], [-1.5, -1.6, -3.5]),

@@ -9,7 +9,8 @@ import torch
 
 from vllm_dsbd.algorithm.reference import DecodeParams, beam_search
 from vllm_dsbd.algorithm.toy import MarkovLM, random_markov
-from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams, Extend, Fork
+from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams
+from vllm_dsbd.engine.group_effects import Extend, Fork
 from vllm_dsbd.engine.beam_step import decide, row_tokens
 from vllm_dsbd.engine.protocol import BeamChoice, GroupDecision, GroupStep, TokenLogprob
 

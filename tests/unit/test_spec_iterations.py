@@ -16,7 +16,8 @@ import torch
 from exact_dist import chi2_pvalue, exact_beam_sampling
 from vllm_dsbd.algorithm.reference import DecodeParams, beam_search
 from vllm_dsbd.algorithm.toy import MarkovLM, perturbed_draft, random_markov
-from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams, Extend, Fork, Free, PathRequest
+from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams
+from vllm_dsbd.engine.group_effects import Extend, Fork, Free, PathRequest
 from vllm_dsbd.engine.spec_step import DraftStore, draft_layer, verify
 
 

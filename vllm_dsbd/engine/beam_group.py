@@ -36,7 +36,7 @@ the best ``n`` are returned.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_dsbd.algorithm import token_finishes
@@ -48,9 +48,11 @@ from vllm_dsbd.engine.protocol import (
     TokenLogprob,
     VerifyDecision,
     VerifyStep,
+    first_path_through,
     layer_slot,
     node_id,
 )
+from vllm_dsbd.engine.group_effects import Beam, DraftNode, Extend, Fork, Free, Op, PathRequest, StepEffects
 from vllm_dsbd.engine.stops import tail_length
 
 
@@ -89,14 +91,6 @@ class BeamParams:
         return None if self.ignore_eos else self.eos_token_id
 
 
-@dataclass
-class Beam:
-    request: Any  # the internal vLLM request; None until the scheduler creates it (forks)
-    tokens: list[int]  # generated tokens
-    score: float  # cumulative target log-prob S (tempered when temperature > 0)
-    logprobs: list[TokenLogprob]
-
-
 @dataclass(frozen=True)
 class Hypothesis:
     tokens: tuple[int, ...]  # generated tokens, a final EOS included
@@ -104,59 +98,6 @@ class Hypothesis:
     logprobs: tuple[TokenLogprob, ...]
     finish_reason: str  # "stop" (EOS, a stop token), "stop_string" or "length"
     score: float  # length-normalised (vLLM's get_beam_search_score)
-
-
-@dataclass
-class Extend:
-    request: Any
-    tokens: list[int]  # to append to the request
-    computed: bool = False  # the target has already computed these tokens (accepted drafts)
-
-
-@dataclass
-class PathRequest:
-    """Set up a root-to-leaf path for verification: ``root``'s tokens with ``spec_tokens`` to verify."""
-
-    root: Any
-    spec_tokens: list[int]
-    reuse_root: bool  # the root's request is the path's (else a fork of it, set by the scheduler)
-    request: Any = None
-
-
-@dataclass
-class DraftNode:
-    parent: int  # slot in the layer above
-    token: int
-    score: float  # path score: the beam's target score plus the draft log-probs below it
-    request: Any = None  # while the draft runs on this node
-
-
-@dataclass
-class Free:
-    request: Any
-
-
-@dataclass
-class Fork:
-    parent: Any  # request to fork from, as it is now
-    token: int  # the child's own new token
-    child: Beam | DraftNode  # its `request` is set by the scheduler
-
-
-Op = Fork | Extend | Free | PathRequest
-
-
-@dataclass
-class StepEffects:
-    ops: list[Op] = field(default_factory=list)
-
-    @property
-    def forks(self) -> list[Fork]:
-        return [op for op in self.ops if isinstance(op, Fork)]
-
-    @property
-    def frees(self) -> list[Any]:
-        return [op.request for op in self.ops if isinstance(op, Free)]
 
 
 class BeamGroup:
@@ -392,8 +333,7 @@ class BeamGroup:
 
     def path_of_node(self, node: int) -> int:
         """The first path through ``node`` (or through its twin): its request carries the node's children."""
-        node = self.aliases.get(node, node)
-        return next(k for k, path in enumerate(self.paths) if node in path)
+        return first_path_through(self.paths, self.aliases, node)
 
     def apply_verify(self, decision: VerifyDecision) -> StepEffects:
         """Commit a verified iteration: new beams, finished hypotheses, and what happens to the path requests."""

@@ -23,7 +23,7 @@ import torch
 
 from vllm_dsbd.algorithm import token_finishes
 from vllm_dsbd.engine import forest_attention, spec_step
-from vllm_dsbd.engine.protocol import DraftDecision, DraftStep, VerifyDecision, VerifyStep, layer_slot
+from vllm_dsbd.engine.protocol import DraftDecision, DraftStep, VerifyDecision, VerifyStep, first_path_through
 
 
 def num_layers(vs: VerifyStep, decision: VerifyDecision) -> int:
@@ -41,7 +41,6 @@ def draft(runner, vs: VerifyStep, decision: VerifyDecision) -> list[DraftDecisio
     batch = runner.input_batch
     table = batch.block_table[runner._dsbd_features_gid]
     size = table.block_size
-    aliases = dict(vs.aliases)
     depth, root_len = decision.num_passed, vs.seq_len  # the roots' last tokens are at root_len - 1
 
     def slot(blocks, pos: int) -> int:
@@ -63,14 +62,11 @@ def draft(runner, vs: VerifyStep, decision: VerifyDecision) -> list[DraftDecisio
         return len(tokens) - 1
 
     for c in decision.beams:
-        parent = aliases.get(c.parent, c.parent)
-        path = next(k for k, nodes in enumerate(vs.paths) if parent in nodes)
+        path = first_path_through(vs.paths, vs.aliases, c.parent)
         index = batch.req_id_to_index[vs.path_req_ids[path]]
         blocks = table.block_table.cpu[index]
         if path not in chains:
-            verified = [int(batch.token_ids_cpu[index, root_len - 1])] + [
-                vs.draft_tokens[layer - 1][s] for layer, s in (layer_slot(n, vs.beam_width)
-                                                               for n in vs.paths[path][1:depth + 1])]
+            verified = [int(batch.token_ids_cpu[index, root_len - 1])] + vs.path_tokens(path, depth)
             chain: list[int] = []
             for j, token in enumerate(verified):
                 chain.append(add(token, root_len - 1 + j, blocks, True, list(chain)))

@@ -20,7 +20,8 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_dsbd.algorithm.depth import Batch
 from vllm_dsbd.engine import metrics
-from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams, Extend, Fork, Free, Hypothesis, PathRequest, StepEffects
+from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams, Hypothesis
+from vllm_dsbd.engine.group_effects import Extend, Fork, Free, PathRequest, StepEffects
 from vllm_dsbd.engine.protocol import StepPlan
 
 

@@ -42,7 +42,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.engine import beam_step, draft_head, eagle3, forest_attention, forest_draft, mjsd_step, spec_step
-from vllm_dsbd.engine.protocol import PLAN_ATTR, RESULT_ATTR, StepPlan, StepResult, layer_slot
+from vllm_dsbd.engine.protocol import PLAN_ATTR, RESULT_ATTR, StepPlan, StepResult, first_path_through, layer_slot
 from vllm_dsbd.engine.stops import StopCheckers
 
 logger = init_logger(__name__)
@@ -74,7 +74,7 @@ class DSBDModelRunnerMixin:
             if head:  # the target exports its aux hidden states (set up by vLLM's load_model) ...
                 self.use_aux_hidden_state_outputs = True
                 self.drafter.pass_hidden_states_to_model = True  # ... and the head's dummy runs get features
-        config = DSBDConfig.from_vllm_config(self.vllm_config)
+        config = self._dsbd_config = DSBDConfig.from_vllm_config(self.vllm_config)
         # an EAGLE-3 head on a CPU engine (checked with the engine config: patches.engine_config)
         self._dsbd_in_step = self._dsbd_head and config is not None and config.draft_in_step
 
@@ -99,7 +99,7 @@ class DSBDModelRunnerMixin:
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
         drafter = getattr(self, "drafter", None)
-        config = DSBDConfig.from_vllm_config(self.vllm_config)
+        config = self._dsbd_config
         if drafter is not None and config is not None and config.draft_vocab_size:
             vocab = self.model_config.get_vocab_size()
             ids = draft_head.reduced_vocab_ids(vocab, config.draft_vocab_size, self._dsbd_special_ids())
@@ -168,24 +168,19 @@ class DSBDModelRunnerMixin:
         self._dsbd_features.write(slots, self.drafter.model.combine_hidden_states(stacked))
         return output
 
-    def _head_rows(self, input_ids, positions):
-        """The head over this step's rows, row p fed the feature of p - 1 of its request (its KV goes to the
-        rows' slots): (normed hidden states, the head's own features)."""
-        num_rows, _, table = self._dsbd_slots()
+    def _head_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
+                      **model_kwargs):
+        """A draft step of an EAGLE-3 head: the row at position p reads the feature of p - 1 of its request
+        (its KV goes to the row's slot); each request whose last token ran stores the head's own feature
+        there (its children read it)."""
+        num_rows, slots, table = self._dsbd_slots()
         req_indices = self.req_indices.gpu[:num_rows]
         prev = eagle3.previous_slots(positions[:num_rows], req_indices, table.block_table.gpu, table.block_size)
         padded = positions.shape[0]
         if padded > num_rows:
             prev = torch.cat([prev, prev.new_full((padded - num_rows,), -1)])
-        return self.drafter.model(input_ids=input_ids, positions=positions, hidden_states=self._dsbd_features.read(prev),
-                                  inputs_embeds=None)
-
-    def _head_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
-                      **model_kwargs):
-        """A draft step of an EAGLE-3 head: the row at position p reads the feature of p - 1 of its request;
-        each request whose last token ran stores the head's own feature there (its children read it)."""
-        num_rows, slots, _ = self._dsbd_slots()
-        normed, own = self._head_rows(input_ids, positions)
+        normed, own = self.drafter.model(input_ids=input_ids, positions=positions,
+                                         hidden_states=self._dsbd_features.read(prev), inputs_embeds=None)
         num_reqs = self.input_batch.num_reqs
         scheduled = self.num_scheduled_tokens.np[:num_reqs]
         ends = self.input_batch.num_computed_tokens_cpu[:num_reqs] + scheduled
@@ -403,19 +398,12 @@ def _set_row(sampled: torch.Tensor, discard: np.ndarray, row: int, tokens: list[
 
 def _path_row_tokens(vs, decision) -> list[list[int] | None]:
     """Per path of a verified forest: accepted path tokens + new token for the path that carries a
-    parent node's first child (the first path through the node, or through its twin), None for the other
-    paths."""
+    parent node's first child (``protocol.first_path_through``), None for the other paths."""
     out: list[list[int] | None] = [None] * len(vs.paths)
-    width = vs.beam_width
-    aliases = dict(vs.aliases)
     for c in decision.beams:
-        parent = aliases.get(c.parent, c.parent)  # a leaf drawn twice continues on its twin's path
-        path = next(k for k, nodes in enumerate(vs.paths) if parent in nodes)
+        path = first_path_through(vs.paths, vs.aliases, c.parent)
         if out[path] is None:
-            depth = vs.paths[path].index(parent)
-            slots = [layer_slot(n, width) for n in vs.paths[path][1:depth + 1]]
-            tokens = [vs.draft_tokens[layer - 1][slot] for layer, slot in slots]
-            out[path] = tokens + [c.token]
+            out[path] = vs.path_tokens(path, layer_slot(c.parent, vs.beam_width)[0]) + [c.token]
     return out
 
 

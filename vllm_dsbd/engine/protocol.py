@@ -34,6 +34,13 @@ def layer_slot(node: int, width: int) -> tuple[int, int]:
     return layer + 1, slot
 
 
+def first_path_through(paths, aliases, node: int) -> int:
+    """The first of ``paths`` (node ids, root first) through ``node``, or through its twin (``aliases``:
+    leaf -> twin; a leaf drawn twice continues on its twin's path): its request carries the node's children."""
+    node = dict(aliases).get(node, node)
+    return next(k for k, path in enumerate(paths) if node in path)
+
+
 @dataclass(frozen=True)
 class GroupDecoding:
     """How a group decodes: what every step of a group (beam, draft, verify) carries."""
@@ -112,6 +119,11 @@ class VerifyStep(GroupDecoding):
     """γ of the next iteration, drafted by the runner right after this verification (an EAGLE-3 head with
     ``draft_in_step``; ``engine.forest_draft``), cut to ``max_tokens_left``; 0: by draft steps, as before."""
     max_tokens_left: int = 0  # max_tokens - generated before this iteration (with draft_next)
+
+    def path_tokens(self, path: int, depth: int) -> list[int]:
+        """The draft tokens of ``paths[path]`` at layers 1..depth (the tokens it verified up to that depth)."""
+        return [self.draft_tokens[layer - 1][slot]
+                for layer, slot in (layer_slot(n, self.beam_width) for n in self.paths[path][1:depth + 1])]
 
 
 @dataclass
