@@ -69,14 +69,17 @@ def _profile_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
             for kind, values in after.items() if values["steps"] > before.get(kind, {}).get("steps", 0)}
 
 
-def _rows(gammas: list[int], temperature: float, auto: int) -> list[tuple[str, int, bool, bool]]:
-    """(name, γ (the maximum with auto), fixed width, auto_depth) of every row; γ = 0 (the baseline) first."""
+def _rows(gammas: list[int], temperature: float, auto: int,
+          in_step: list[bool]) -> list[tuple[str, int, bool, bool, bool]]:
+    """(name, γ (the maximum with auto), fixed width, auto_depth, draft_in_step) of every row; γ = 0 (the
+    baseline) first. Fixed-depth DSBD rows come once per ``in_step`` mode (auto_depth drafts in draft steps)."""
     widths = [True] if temperature == 0 else [True, False]
-    rows = [("in-engine", 0, True, False)]
+    rows = [("in-engine", 0, True, False, False)]
     for gamma in (g for g in gammas if g > 0):
-        rows += [("dsbd-fixed" if fixed else "dsbd-dynamic", gamma, fixed, False) for fixed in widths]
+        rows += [("dsbd-fixed" if fixed else "dsbd-dynamic", gamma, fixed, False, mode)
+                 for fixed in widths for mode in in_step]
     if auto:
-        rows += [("dsbd-auto-fixed" if fixed else "dsbd-auto-dynamic", auto, fixed, True) for fixed in widths]
+        rows += [("dsbd-auto-fixed" if fixed else "dsbd-auto-dynamic", auto, fixed, True, False) for fixed in widths]
     return rows
 
 
@@ -103,19 +106,20 @@ def run(args: argparse.Namespace) -> dict:
     auto_max = (args.auto_max or max(gammas)) if args.auto else 0  # γmax of the auto_depth rows
     vocab_sizes = [int(v) for v in args.draft_vocab_sizes.split(",")]
     rows, baselines = [], {}  # baselines: temperature -> (seconds, tokens, forward seconds) of in-engine decoding
+    # both: one engine with the knob, each fixed-depth row run with it turned on and off per request, in turn
     in_step = {"off": [False], "on": [True], "both": [False, True]}[args.draft_in_step]
-    engines = [(d, v, i) for d in drafts for v in vocab_sizes for i in in_step]
-    for engine_index, (draft, vocab_size, draft_in_step) in enumerate(engines):
+    engines = [(d, v) for d in drafts for v in vocab_sizes]
+    for engine_index, (draft, vocab_size) in enumerate(engines):
         knobs = {"draft_vocab_size": vocab_size} if vocab_size else {}
         if args.draft_dtype != "auto":
             knobs["draft_dtype"] = args.draft_dtype
-        if draft_in_step:
+        if args.draft_in_step != "off":
             knobs["draft_in_step"] = True
         llm = LLM(**dsbd_engine_kwargs(target, draft, max(max(gammas), auto_max, 1), args.width, dtype.dtype,
                                        **knobs), disable_log_stats=False)
         # γ 0 runs no draft: the first engine's in-engine rows are every engine's baseline
         rows += _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft, vocab_size, baselines,
-                          with_baseline=engine_index == 0, draft_in_step=draft_in_step)
+                          with_baseline=engine_index == 0, in_step=in_step)
         llm.llm_engine.engine_core.shutdown()
         del llm
     return {
@@ -141,35 +145,37 @@ def _label(row: dict) -> str:
 
 
 def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft, vocab_size, baselines,
-              with_baseline: bool, draft_in_step: bool = False) -> list[dict]:
+              with_baseline: bool, in_step: list[bool]) -> list[dict]:
     """Every row of one engine (one draft and draft_vocab_size); the in-engine baseline only ``with_baseline``."""
     from vllm import SamplingParams
 
-    def decode(gamma, temperature, fixed, auto, max_tokens, batch):
+    def decode(gamma, temperature, fixed, auto, in_step_row, max_tokens, batch):
         extra = {"beam_width": args.width, "num_speculative_tokens": gamma, "width_threshold": args.tau,
                  "auto_depth": auto}
         if fixed:
             extra["fixed_width"] = True
+        if args.draft_in_step != "off":  # the engine drafts in the verify step unless the request turns it off
+            extra["draft_in_step"] = in_step_row
         params = SamplingParams(n=args.width, temperature=temperature, seed=args.seed, max_tokens=max_tokens,
                                 ignore_eos=True, extra_args=extra)
         return llm.generate(batch, params, use_tqdm=False)
 
     rows = []
     for temperature in temperatures:
-        specs = [spec for spec in _rows(gammas, temperature, auto_max) if spec[1] > 0 or with_baseline]
-        for _, gamma, fixed, auto in specs:
-            decode(gamma, temperature, fixed, auto, 4, inputs[:1])  # warm-up
+        specs = [spec for spec in _rows(gammas, temperature, auto_max, in_step) if spec[1] > 0 or with_baseline]
+        for _, gamma, fixed, auto, in_step_row in specs:
+            decode(gamma, temperature, fixed, auto, in_step_row, 4, inputs[:1])  # warm-up
         # Interleaved: each batch runs every row in turn, so a drift of the machine's speed during the
         # run (seen here: ~10 % over half an hour) hits every row alike instead of the later rows.
         runs = {spec: {"secs": 0.0, "out": [], "counters": dict.fromkeys(COUNTERS, 0.0), "profile": {}}
                 for spec in specs}
         for batch in batches:
             for spec in specs:
-                _, gamma, fixed, auto = spec
+                _, gamma, fixed, auto, in_step_row = spec
                 run = runs[spec]
                 before, profile_before = _counters(llm), _profile(llm)
                 start = time.perf_counter()
-                run["out"] += decode(gamma, temperature, fixed, auto, args.max_tokens, batch)
+                run["out"] += decode(gamma, temperature, fixed, auto, in_step_row, args.max_tokens, batch)
                 run["secs"] += time.perf_counter() - start
                 after = _counters(llm)
                 for k in COUNTERS:
@@ -179,13 +185,13 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft,
                     for k, v in values.items():
                         total[k] += v
         for spec in specs:
-            name, gamma, fixed, auto = spec
+            name, gamma, fixed, auto, in_step_row = spec
             run = runs[spec]
             secs, out, profile = run["secs"], run["out"], run["profile"]
             tokens = [[list(c.token_ids) for c in o.outputs] for o in out]
             forward_s = sum(p["forward_s"] for p in profile.values())
             row = {"method": name, "gamma": gamma, "auto_depth": auto, "temperature": temperature,
-                   "draft_in_step": draft_in_step and gamma > 0,
+                   "draft_in_step": in_step_row,
                    "draft": Path(draft).name if gamma else None, "draft_vocab_size": vocab_size if gamma else 0,
                    "wall_s": secs,
                    **run["counters"], "step_profile": profile,
@@ -276,8 +282,9 @@ def main() -> None:
                         help="draft_vocab_size of each engine, comma-separated (0: the whole vocabulary); "
                              "every engine runs every DSBD row against the first engine's in-engine rows")
     parser.add_argument("--draft-in-step", choices=("off", "on", "both"), default="off",
-                        help="the engine-wide knob draft_in_step (an EAGLE-3 head drafts each forest inside the "
-                             "verify step before it); both: one engine each, every DSBD row on both")
+                        help="the knob draft_in_step (an EAGLE-3 head drafts each forest inside the verify step "
+                             "before it); both: one engine with it, every fixed-depth DSBD row run with it and "
+                             "without it (per request), in turn")
     parser.add_argument("--omp-bind", default=None,
                         help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. 0-1: the worker on both cores of a "
                              "2-core machine; default: the environment's, else vLLM's auto)")

@@ -91,8 +91,17 @@ def test_engine_wide_knobs_are_refused_per_request():
         engine.for_request({"draft_vocab_size": 1000})
     with pytest.raises(ValueError, match=r"\['draft_dtype'\] are engine-wide"):
         engine.for_request({"draft_dtype": "bfloat16"})
-    with pytest.raises(ValueError, match=r"\['draft_in_step'\] are engine-wide"):
-        engine.for_request({"draft_in_step": True})
+
+
+def test_a_request_may_turn_draft_in_step_off_but_not_on():
+    """draft_in_step sets the engine's head up; a request of such an engine may draft in draft steps instead."""
+    engine = DSBDConfig(num_speculative_tokens=2, draft_in_step=True)
+    assert engine.for_request({"draft_in_step": False}).draft_in_step is False
+    assert engine.for_request({"draft_in_step": 0}).draft_in_step is False  # vllm_xargs' JSON false
+    assert engine.for_request({"draft_in_step": True}).draft_in_step is True
+    with pytest.raises(ValueError, match=r"'draft_in_step'=true, but this engine drafts in draft steps: start it "
+                                         r"with draft_in_step in --speculative-config .* Allowed per request: false"):
+        DSBDConfig(num_speculative_tokens=2).for_request({"draft_in_step": True})
 
 
 @pytest.mark.parametrize("knobs, knob", [

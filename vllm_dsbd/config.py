@@ -41,7 +41,7 @@ VLLM_RESERVED_EXTRA_ARGS = frozenset({"kv_transfer_params", "ec_transfer_params"
 DECODERS = ("dsbd", "mjsd")
 
 #: Knobs that shape the engine itself (its models), not one request's decoding.
-ENGINE_ONLY_KNOBS = frozenset({"draft_vocab_size", "draft_dtype", "draft_in_step"})
+ENGINE_ONLY_KNOBS = frozenset({"draft_vocab_size", "draft_dtype"})
 
 #: What the ``draft_dtype`` knob takes: "auto" (the target's dtype) or a dtype vLLM's CPU and GPU
 #: platforms run a model in.
@@ -82,10 +82,10 @@ class DSBDConfig:
     "auto" = the target's ``--dtype``. Any dtype keeps DSBD exact: q is whatever the draft samples from."""
 
     draft_in_step: bool = False
-    """Engine-wide only, experimental (needs an EAGLE-3 head): a fixed-depth DSBD iteration's forest is
-    drafted inside the verify step before it (``engine.forest_draft``) instead of in draft steps of its
-    own, after the first iteration of a request. Not for MJSD, memory-efficient or auto_depth requests,
-    which draft in draft steps as before."""
+    """Experimental (needs an EAGLE-3 head): a fixed-depth DSBD iteration's forest is drafted inside the
+    verify step before it (``engine.forest_draft``) instead of in draft steps of its own, after the first
+    iteration of a request. Not for MJSD, memory-efficient or auto_depth requests, which draft in draft
+    steps as before. Turned on for the engine (it sets the head up for it); a request may turn it off."""
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, low=1)
@@ -163,6 +163,10 @@ class DSBDConfig:
                              f"(speculative_config=...), not per request.")
         overrides = {k: _request_bool(v) if k in BOOL_KNOBS else v for k, v in overrides.items()}
         merged = dataclasses.replace(self, **_known(overrides, "the request's extra_args (vllm_xargs)"))
+        if merged.draft_in_step and not self.draft_in_step:
+            raise ValueError("Request asks for DSBD knob 'draft_in_step'=true, but this engine drafts in draft "
+                             "steps: start it with draft_in_step in --speculative-config (speculative_config=...). "
+                             "Allowed per request: false.")
         for knob in ("beam_width", "num_speculative_tokens"):
             if getattr(merged, knob) > getattr(self, knob):
                 raise ValueError(
@@ -173,7 +177,7 @@ class DSBDConfig:
         return merged
 
 
-BOOL_KNOBS = ("fixed_width", "memory_efficient", "auto_depth")
+BOOL_KNOBS = ("fixed_width", "memory_efficient", "auto_depth", "draft_in_step")
 
 
 def _request_bool(value: Any) -> Any:

@@ -276,13 +276,21 @@ def _steps(llm) -> dict[str, int]:
 
 
 def test_only_a_requests_first_iteration_takes_draft_steps_when_drafting_inside_the_verify_step(in_step_llm):
-    """Every later forest is drawn in the verify step before it: at most γ draft steps per request (drafting
-    in draft steps takes γ per iteration: 4 iterations or more here)."""
-    before = _steps(in_step_llm)
-    in_step_llm.generate(PROMPTS, _beams(4, 2, 12, ignore_eos=True), use_tqdm=False)
-    after = _steps(in_step_llm)
-    drafts, verifies = (after.get(k, 0) - before.get(k, 0) for k in ("draft", "verify"))
+    """Every later forest is drawn in the verify step before it: at most γ draft steps per request. A request
+    that turns the knob off drafts in draft steps (γ per iteration, 4 iterations or more), to the same beams
+    at T 0."""
+    def run(**extra):
+        before = _steps(in_step_llm)
+        outs = in_step_llm.generate(PROMPTS, _beams(4, 2, 12, ignore_eos=True, extra=extra), use_tqdm=False)
+        after = _steps(in_step_llm)
+        return outs, [after.get(k, 0) - before.get(k, 0) for k in ("draft", "verify")]
+
+    outs, (drafts, verifies) = run()
     assert drafts <= 2 * len(PROMPTS) and verifies >= 12 // 3, (drafts, verifies)
+    off, (drafts_off, _) = run(draft_in_step=False)
+    assert drafts_off > 2 * len(PROMPTS), drafts_off  # 23 here: γ per iteration, the prompts batched
+    assert [[list(c.token_ids) for c in o.outputs] for o in off] == [[list(c.token_ids) for c in o.outputs]
+                                                                     for o in outs]
 
 
 @pytest.mark.parametrize("width, gamma", [(2, 1), (4, 3), (8, 2)])

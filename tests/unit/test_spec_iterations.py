@@ -206,8 +206,8 @@ def test_a_leaf_drawn_twice_is_verified_once_and_its_beams_continue_on_its_twin(
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.8), (7, 0.9)])
 def test_a_heads_draft_layer_draws_what_sampling_over_the_whole_vocabulary_draws(top_k, top_p):
     """An EAGLE-3 head's logits are -inf outside its draft vocabulary, so draft_layer samples over those
-    columns only (engine.spec_step._draft_support). Per seed it draws the same nodes, with the same scores and
-    the same joint Q (0 outside the draft vocabulary), as the joint over all V tokens does."""
+    columns only (its ``support``, the runner's ``_draft_support``). Per seed it draws the same nodes, with the
+    same scores and the same joint Q (0 outside the draft vocabulary), as the joint over all V tokens does."""
     from vllm_dsbd.algorithm import joint_probs, sample_joint, tempered_logprobs
     from vllm_dsbd.engine.protocol import DraftStep
     from vllm_dsbd.engine.spec_step import generator
@@ -221,7 +221,7 @@ def test_a_heads_draft_layer_draws_what_sampling_over_the_whole_vocabulary_draws
         ds = DraftStep(group_id="g", beam_width=width, temperature=0.8, top_k=top_k, top_p=top_p,
                        length_penalty=1.0, ignore_eos=False, eos_token_id=0, seed=seed, step=5, layer=2,
                        req_ids=("a", "b", "c"), slots=(0, 2, 3), scores=(-0.5, -1.0, -2.5), seq_len=9)
-        decision, q = draft_layer(logits, {"a": 0, "b": 1, "c": 2}, ds)
+        decision, q = draft_layer(logits, {"a": 0, "b": 1, "c": 2}, ds, own.sort().values)
 
         lp = torch.zeros((width, vocab))
         lp[[0, 2, 3]] = tempered_logprobs(logits, 0.8)
@@ -234,3 +234,24 @@ def test_a_heads_draft_layer_draws_what_sampling_over_the_whole_vocabulary_draws
                                                  .double()).tolist(), abs=1e-5)
         torch.testing.assert_close(q, want_q[0], atol=1e-6, rtol=1e-5)
         assert bool((q.view(width, vocab)[:, own.sort().values].sum() - 1).abs() < 1e-5)
+
+
+def test_a_draft_vocabulary_is_checked_against_the_drafts_logits():
+    """The runner draws over a head's draft vocabulary (``i + d2t[i]``) only after checking once that the head
+    gives no finite logit outside it; a vocabulary missing one proposable token is refused."""
+    from types import SimpleNamespace
+
+    from vllm_dsbd.engine.eagle3 import draft_vocabulary
+    from vllm_dsbd.engine.spec_step import check_support, proposable_tokens
+
+    head = SimpleNamespace(draft_id_to_target_id=torch.tensor([5, 5, 0, 0]))  # draft ids 0..3 -> 5, 6, 2, 3
+    support = draft_vocabulary(head)
+    assert support.tolist() == [2, 3, 5, 6]
+    assert draft_vocabulary(SimpleNamespace(draft_id_to_target_id=None)) is None
+    assert proposable_tokens(support, 8) is support and proposable_tokens(support, 7) is None
+    logits = torch.full((2, 8), float("-inf"))
+    logits[0, 2], logits[1, 6] = 1.0, 0.5
+    check_support(logits, support)
+    logits[1, 7] = 0.0
+    with pytest.raises(RuntimeError, match="outside its draft vocabulary of 4 .*token 7"):
+        check_support(logits, support)

@@ -25,6 +25,15 @@ def head_architecture(hf_config: Any) -> str | None:
     return next((a for a in archs if "eagle3" in a.lower()), None)
 
 
+def draft_vocabulary(head: Any) -> torch.Tensor | None:
+    """The target token ids a head can propose, ascending: ``i + d2t[i]`` for each draft id ``i`` (vLLM's
+    ``compute_logits`` gives every other token the logit -inf); None for a head over the whole vocabulary."""
+    d2t = getattr(head, "draft_id_to_target_id", None)
+    if d2t is None:
+        return None
+    return (torch.arange(d2t.shape[0], device=d2t.device) + d2t.detach()).sort().values
+
+
 class FeatureCache:
     """One feature row per KV-cache slot of the target's KV-cache group: ``[num_blocks * block_size, width]``."""
 

@@ -12,13 +12,17 @@ A *forest row* is one token of a draft forest being built inside a worker step: 
 3. itself.
 
 A row may also write its K/V to a paged slot (``ForestRows.slots``: verified tokens, whose head KV later
-iterations read as context); draft rows are written nowhere but the scratch. The head runs as it does in a draft step (vLLM's own module, its
-rotary embedding and projections); only its attention kernel is swapped, per call, through the layer's
-``impl`` (:class:`ForestAttentionImpl`, installed once; any other metadata goes to vLLM's kernel).
+iterations read as context); draft rows are written nowhere but the scratch. The head runs as it does in
+a draft step (vLLM's own module, its rotary embedding and projections); only its attention kernel is
+swapped, per call, through the layer's ``impl`` (:class:`ForestAttentionImpl`, installed once; any other
+metadata goes to vLLM's kernel). The call's attention is one masked ``scaled_dot_product_attention`` over
+the contexts (each read once, in one gather) and the scratch rows.
 
 vLLM 0.32's CPU cache keeps each block as ``[kv_heads, 2 * block_size, head_dim]``: values plain in the
 second half, keys in an ISA-specific packing in the first. The packing is read once, by writing known
-keys with the backend's own ``do_kv_cache_update`` into a one-block cache (:class:`PagedKVReader`).
+keys with the backend's own ``do_kv_cache_update`` into a one-block cache (:class:`PagedKVReader`); plain
+and transposed blocks (the "vec" and "vec16" ISAs) are then read as views, any other packing element by
+element.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -39,20 +44,46 @@ class PagedKVReader:
                                       f"2 * head_dim]; this cache is {tuple(kv_cache.shape)}")
         _, self.kv_heads, self.block_size, two_dims = kv_cache.shape
         self.head_dim = two_dims // 2
-        self.key_pos, self.value_pos = _probe_layout(layer, impl, kv_cache.dtype, self.kv_heads, self.block_size,
-                                                     self.head_dim)
+        key_pos, value_pos = _probe_layout(layer, impl, kv_cache.dtype, self.kv_heads, self.block_size, self.head_dim)
+        self.key_layout, self.value_layout = (self._layout(pos) for pos in (key_pos, value_pos))
 
-    def read(self, kv_cache: Tensor, blocks: Tensor, length: int) -> tuple[Tensor, Tensor]:
-        """K, V of the first ``length`` positions whose blocks are ``blocks`` (in order): [length, kv_heads, hd]."""
-        if length == 0:
+    def read(self, kv_cache: Tensor, block_tables: list[Tensor], lengths: list[int]) -> tuple[Tensor, Tensor, list[int]]:
+        """K, V of the first ``lengths[i]`` positions of each request ``i`` (its blocks ``block_tables[i]``, in
+        order), the requests one after another, each padded to whole blocks: [N, kv_heads, hd] each, and the
+        row where each request's positions start. One gather for all of them."""
+        counts = [-(-n // self.block_size) for n in lengths]
+        starts = [0]
+        for count in counts[:-1]:
+            starts.append(starts[-1] + count * self.block_size)
+        if sum(counts) == 0:
             empty = kv_cache.new_zeros((0, self.kv_heads, self.head_dim))
-            return empty, empty
-        used = blocks[: -(-length // self.block_size)].long()
+            return empty, empty, starts
+        used = torch.cat([blocks[:count] for blocks, count in zip(block_tables, counts)]).long()
         area = kv_cache[used].reshape(used.shape[0], self.kv_heads, -1)  # [b, kvh, 2 * bs * hd]
-        keys = area[:, :, self.key_pos].reshape(used.shape[0], self.kv_heads, self.block_size, self.head_dim)
-        values = area[:, :, self.value_pos].reshape(used.shape[0], self.kv_heads, self.block_size, self.head_dim)
-        flat = lambda t: t.permute(0, 2, 1, 3).reshape(-1, self.kv_heads, self.head_dim)[:length]  # noqa: E731
-        return flat(keys), flat(values)
+
+        def flat(layout: tuple[int, bool] | Tensor) -> Tensor:  # [b * bs, kvh, hd]
+            b, kvh, bs, hd = used.shape[0], self.kv_heads, self.block_size, self.head_dim
+            if isinstance(layout, Tensor):  # any other packing: gather each element
+                blocks = area[:, :, layout].view(b, kvh, bs, hd)
+            else:
+                base, transposed = layout
+                part = area[:, :, base:base + bs * hd]
+                blocks = part.view(b, kvh, hd, bs).transpose(2, 3) if transposed else part.view(b, kvh, bs, hd)
+            return blocks.permute(0, 2, 1, 3).reshape(-1, kvh, hd)
+
+        return flat(self.key_layout), flat(self.value_layout), starts
+
+    def _layout(self, pos: Tensor) -> tuple[int, bool] | Tensor:
+        """A probed packing (where each (offset, dim) lands) as (start, transposed) when it is a plain
+        ``[block_size, head_dim]`` or ``[head_dim, block_size]`` run of the area, read as a view; else ``pos``."""
+        bs, hd = self.block_size, self.head_dim
+        base = int(pos.min())
+        plain = torch.arange(bs * hd) + base
+        if torch.equal(pos, plain):
+            return base, False
+        if torch.equal(pos, plain.view(hd, bs).t().reshape(-1)):
+            return base, True
+        return pos
 
 
 def _probe_layout(layer: Any, impl: Any, dtype: torch.dtype, kv_heads: int, block_size: int,
@@ -148,31 +179,30 @@ class ForestAttentionImpl:
             slots = torch.tensor(rows.slots, device=key.device)
             keep = (slots >= 0).nonzero()[:, 0]
             inner.do_kv_cache_update(layer, k[keep], v[keep], kv_cache, slots[keep])
-        group = inner.num_heads // inner.num_kv_heads
-        out = output[:num].view(num, inner.num_heads, inner.head_size)
-        chains = [[*rows.ancestors[r], ids[r]] for r in range(num)]
-        width = max(len(c) for c in chains)
-        pad = torch.tensor([c + [c[-1]] * (width - len(c)) for c in chains])  # [num, A] scratch ids
-        scratch_k = torch.stack(rows.scratch.keys[self.layer_name])[pad].float()  # [num, A, kvh, hd]
-        scratch_v = torch.stack(rows.scratch.values[self.layer_name])[pad].float()
-        lengths = torch.tensor([len(c) for c in chains])
-        chain_mask = torch.arange(width)[None, :] < lengths[:, None]  # [num, A]
-        contexts: dict[tuple[int, int], list[int]] = {}  # rows sharing a context read it once
+        # What each row attends to, as one set of keys: the contexts (each (blocks, length) read once), then
+        # every scratch row of the step; a mask keeps each row to its context and its chain.
+        contexts: dict[tuple[int, int], int] = {}
         for r in range(num):
-            contexts.setdefault((id(rows.block_tables[r]), rows.context_lens[r]), []).append(r)
-        for members in contexts.values():
-            first = members[0]
-            ctx_k, ctx_v = self._reader.read(kv_cache, rows.block_tables[first], rows.context_lens[first])
-            index = torch.tensor(members)
-            qm = q[index].float().view(len(members), inner.num_kv_heads, group, inner.head_size)
-            ctx_scores = torch.einsum("rkgd,lkd->rkgl", qm, ctx_k.float())
-            own_scores = torch.einsum("rkgd,rakd->rkga", qm, scratch_k[index])
-            own_scores = own_scores.masked_fill(~chain_mask[index][:, None, None, :], float("-inf"))
-            probs = (torch.cat([ctx_scores, own_scores], -1) * inner.scale).softmax(-1)
-            length = ctx_k.shape[0]
-            attended = (torch.einsum("rkgl,lkd->rkgd", probs[..., :length], ctx_v.float())
-                        + torch.einsum("rkga,rakd->rkgd", probs[..., length:], scratch_v[index]))
-            out[index] = attended.reshape(len(members), inner.num_heads, inner.head_size).to(out.dtype)
+            contexts.setdefault((id(rows.block_tables[r]), rows.context_lens[r]), r)
+        firsts = list(contexts.values())
+        ctx_k, ctx_v, starts = self._reader.read(kv_cache, [rows.block_tables[r] for r in firsts],
+                                                 [rows.context_lens[r] for r in firsts])
+        start_of = dict(zip(contexts, starts))
+        scratch_k = torch.stack(rows.scratch.keys[self.layer_name])  # [S, kvh, hd]
+        scratch_v = torch.stack(rows.scratch.values[self.layer_name])
+        width = ctx_k.shape[0]
+        mask = np.zeros((num, width + scratch_k.shape[0]), dtype=bool)
+        for r in range(num):
+            start = start_of[(id(rows.block_tables[r]), rows.context_lens[r])]
+            mask[r, start:start + rows.context_lens[r]] = True
+            mask[r, [width + a for a in rows.ancestors[r]] + [width + ids[r]]] = True
+        keys = torch.cat([ctx_k, scratch_k.to(ctx_k.dtype)]).transpose(0, 1)[None].float()  # [1, kvh, T, hd]
+        values = torch.cat([ctx_v, scratch_v.to(ctx_v.dtype)]).transpose(0, 1)[None].float()
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None].float(), keys, values, attn_mask=torch.from_numpy(mask), scale=inner.scale,
+            enable_gqa=inner.num_heads != inner.num_kv_heads)
+        out = output[:num].view(num, inner.num_heads, inner.head_size)
+        out.copy_(attended[0].transpose(0, 1).to(out.dtype))
         rows.row_ids = ids
         return output
 

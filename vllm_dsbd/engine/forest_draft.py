@@ -84,7 +84,8 @@ def draft(runner, vs: VerifyStep, decision: VerifyDecision) -> list[DraftDecisio
             eos_token_id=vs.eos_token_id, stop_token_ids=vs.stop_token_ids, stop=vs.stop, seed=vs.seed,
             step=vs.step + 1, layer=layer, req_ids=tuple(str(s) for s in slots), slots=tuple(slots),
             scores=tuple(scores), seq_len=root_len + depth + layer)
-        chosen, joint = spec_step.draft_layer(logits, {str(s): r for r, s in enumerate(slots)}, ds)
+        chosen, joint = spec_step.draft_layer(logits, {str(s): r for r, s in enumerate(slots)}, ds,
+                                              runner._draft_support(logits))
         if joint is not None:
             runner._dsbd_drafts.put(vs.group_id, vs.step + 1, layer, joint)
         out.append(chosen)

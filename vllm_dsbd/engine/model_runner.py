@@ -57,6 +57,8 @@ class DSBDModelRunnerMixin:
     _dsbd_head = False  # the draft is an EAGLE-3 head (engine.eagle3)
     _dsbd_features: eagle3.FeatureCache | None = None
     _dsbd_features_gid = 0  # the KV-cache group of the target's (and the head's) layers
+    _dsbd_support = None  # the draft's proposable token ids, when few (spec_step.proposable_tokens)
+    _dsbd_support_checked = False
     _dsbd_forest_layers: list[str] = []  # the head's attention layers, with draft_in_step (engine.forest_draft)
 
     def __init__(self, *args, **kwargs) -> None:
@@ -100,18 +102,29 @@ class DSBDModelRunnerMixin:
         super().load_model(*args, **kwargs)
         drafter = getattr(self, "drafter", None)
         config = self._dsbd_config
+        vocab = self.model_config.get_vocab_size()
         if drafter is not None and config is not None and config.draft_vocab_size:
-            vocab = self.model_config.get_vocab_size()
             ids = draft_head.reduced_vocab_ids(vocab, config.draft_vocab_size, self._dsbd_special_ids())
             draft_head.install_reduced_head(drafter.model, ids)
+            self._dsbd_support = spec_step.proposable_tokens(ids.to(self.device), vocab)
         if self._dsbd_head:
             eagle3.share_target_embeddings(drafter.model, self.get_model())
+            self._dsbd_support = spec_step.proposable_tokens(eagle3.draft_vocabulary(drafter.model), vocab)
         if self._dsbd_in_step:
             self._dsbd_forest_layers = forest_attention.install(drafter.model)
         self.model.compute_logits = self._shared_node_logits(self.model.compute_logits)
         models = [self.model] + ([drafter.model] if drafter is not None else [])
         for model in models:  # the logits are part of the forward in the step profile
             model.compute_logits = self._dsbd_profile.timed_forward(model.compute_logits)
+
+    def _draft_support(self, logits):
+        """The draft's proposable tokens for ``spec_step.draft_layer`` (None: all), checked against the draft's
+        logits on the first draft layer of the engine."""
+        support = self._dsbd_support
+        if support is not None and not self._dsbd_support_checked:
+            spec_step.check_support(logits, support)
+            self._dsbd_support_checked = True
+        return support
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
@@ -238,7 +251,7 @@ class DSBDModelRunnerMixin:
 
         if plan.draft:
             for ds in plan.draft_steps:
-                decision, joint = spec_step.draft_layer(logits, last_row, ds)
+                decision, joint = spec_step.draft_layer(logits, last_row, ds, self._draft_support(logits))
                 if ds.mjsd:  # MJSD verifies by the draft's per-node distributions, not the joint
                     joint = mjsd_step.node_logprobs(logits, last_row, ds, joint)
                 if joint is not None:

@@ -138,13 +138,13 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
 
     def _create_group(self, group_id: str, users: list[Request]) -> None:
         first = users[0]  # vLLM gives child k the seed `seed + k`: child 0 carries the user's
-        _, params = beam_requests.beam_params(
+        config, params = beam_requests.beam_params(
             first.sampling_params, self.dsbd_config, prompt_len=first.num_prompt_tokens,
             max_model_len=self.max_model_len, default_seed=self._seeds.getrandbits(62),
         )
         root = self._internal_request(group_id, first, list(first.prompt_token_ids), first._block_hasher)
         group = BeamGroup(group_id, [u.request_id for u in users], first.num_prompt_tokens, params, root)
-        group.draft_in_step = (self.dsbd_config.draft_in_step and params.num_speculative_tokens > 0
+        group.draft_in_step = (config.draft_in_step and params.num_speculative_tokens > 0
                                and params.mjsd_tau is None and not params.memory_efficient
                                and not params.auto_depth)
         self.groups[group_id] = group

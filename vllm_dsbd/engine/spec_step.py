@@ -78,10 +78,15 @@ class DraftStore:
         return len(self._joints)
 
 
-def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep) -> tuple[DraftDecision, Tensor | None]:
+def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep,
+                support: Tensor | None = None) -> tuple[DraftDecision, Tensor | None]:
     """The W nodes of draft layer ``ds.layer`` and, for ``T > 0``, the joint ``Q`` they were drawn from.
 
-    logits: [num_rows, V] draft logits of this step's rows. Returns Q as [W*V] float32.
+    logits: [num_rows, V] draft logits of this step's rows. support: the ascending token ids the draft can
+    propose (every other logit is -inf: an EAGLE-3 head's draft vocabulary, ``draft_vocab_size``), or None
+    for all V. At T > 0 the draw runs over those columns only: it draws exactly what sampling over all V
+    does (the other tokens have probability 0, and the column order keeps the token order that ties and
+    top-k follow), at a fraction of the cost. Returns Q as [W*V] float32.
     """
     width = ds.beam_width
     rows = torch.tensor([row_of[r] for r in ds.req_ids], device=logits.device)
@@ -93,7 +98,6 @@ def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep) -> tup
     scores = torch.full((1, width), float("-inf"), dtype=torch.float64)
     scores[0, slots] = torch.tensor(ds.scores, dtype=torch.float64)
     if ds.temperature > 0:
-        support = _draft_support(parent_logits)  # [K] token ids, or None: (almost) the whole vocabulary
         columns = parent_logits if support is None else parent_logits[:, support]
         lp = torch.zeros((width, columns.shape[-1]))
         lp[slots] = tempered_logprobs(columns, ds.temperature)
@@ -118,16 +122,20 @@ def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep) -> tup
                          step.cum_logprobs[0][keep].tolist()), None
 
 
-def _draft_support(logits: Tensor) -> Tensor | None:
-    """The tokens a draft can propose: columns of ``logits`` [P, V] finite in some row (an EAGLE-3 head's draft
-    vocabulary; every other logit is -inf), or None when that is most of the vocabulary (a draft model).
+def proposable_tokens(support: Tensor | None, vocab_size: int) -> Tensor | None:
+    """The ``support`` to give :func:`draft_layer`: the draft's proposable token ids when they are at most half
+    the vocabulary (below that, sampling over all V costs about as much), else None."""
+    return support if support is not None and 0 < support.numel() <= vocab_size // 2 else None
 
-    Sampling over these columns only draws exactly what sampling over all V does (the others have
-    probability 0, and the column order keeps the token order that ties and top-k follow), at a fraction of
-    the cost when a head's vocabulary is small."""
-    finite = torch.isfinite(logits).any(0)
-    support = finite.nonzero()[:, 0]
-    return support if 0 < support.numel() <= logits.shape[-1] // 2 else None
+
+def check_support(logits: Tensor, support: Tensor) -> None:
+    """Raise unless every finite logit column of ``logits`` [P, V] is in ``support``: a draw over the support
+    only would otherwise drop tokens the draft proposes (checked once per engine, on its first draft layer)."""
+    outside = torch.isfinite(logits).any(0)
+    outside[support.to(outside.device)] = False
+    if bool(outside.any()):
+        raise RuntimeError(f"the draft gives finite logits to {int(outside.sum())} tokens outside its draft "
+                           f"vocabulary of {support.numel()} (e.g. token {int(outside.nonzero()[0, 0])})")
 
 
 def shared_node_rows(verify_steps: Sequence[VerifyStep], row_start: Mapping[str, int], num_rows: int) -> Tensor | None:
