@@ -84,6 +84,15 @@ def test_training_learns_and_resumes_to_the_same_weights(tiny_pair, tmp_path):
     other = eagle3_head.HeadSettings(**{**SETTINGS.__dict__, "lr": 0.5})
     with pytest.raises(ValueError, match="other settings"):
         eagle3_head.train(other, tiny_pair.target, data, tmp_path / "b", progress=False)
+    deeper = eagle3_head.HeadSettings(**{**SETTINGS.__dict__, "num_layers": 2})
+    with pytest.raises(ValueError, match="other settings"):
+        eagle3_head.train(deeper, tiny_pair.target, data, tmp_path / "b", progress=False)
+    # a checkpoint of a version that did not record num_layers resumes as the 1-layer head it is
+    path = tmp_path / "b" / eagle3_head.CHECKPOINT
+    state = torch.load(path, weights_only=False)
+    del state["settings"]["num_layers"]
+    torch.save(state, path)
+    assert eagle3_head.train(SETTINGS, tiny_pair.target, data, tmp_path / "b", progress=False)["step"] == full["step"]
 
 
 def test_an_exported_head_is_a_speculators_checkpoint_without_embeddings(tiny_pair, tmp_path):
@@ -102,6 +111,24 @@ def test_an_exported_head_is_a_speculators_checkpoint_without_embeddings(tiny_pa
         d2t = f.get_tensor("d2t")
     assert "embed_tokens.weight" not in keys and {"d2t", "t2d", "fc.weight", "lm_head.weight"} <= keys
     assert ((torch.arange(512) + d2t) < 2000).all()  # the answers' tokens
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+
+
+def test_a_head_of_two_layers_exports_both(tiny_pair, tmp_path):
+    """``train-drafter --head-layers 2``: the first layer takes [embedding, feature], the second is a plain
+    decoder layer; both are trained and exported (the engine test runs such a head in DSBD)."""
+    from safetensors import safe_open
+
+    settings = eagle3_head.HeadSettings(**{**SETTINGS.__dict__, "num_layers": 2})
+    eagle3_head.train(settings, tiny_pair.target, fake_shards(tmp_path / "data"), tmp_path / "ck", stop_after=1,
+                      progress=False)
+    out = eagle3_head.export(settings, tiny_pair.target, tmp_path / "ck", tmp_path / "head")
+    assert json.loads((out / "config.json").read_text())["transformer_layer_config"]["num_hidden_layers"] == 2
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if k.endswith("self_attn.q_proj.weight")}
+    hidden = json.loads((tiny_pair.target / "config.json").read_text())["hidden_size"]
+    assert {k: v[1] for k, v in shapes.items()} == {"layers.0.self_attn.q_proj.weight": 2 * hidden,
+                                                     "layers.1.self_attn.q_proj.weight": hidden}
 
 
 @pytest.mark.parametrize("steps, expected", [(2, [1.0, 0.0]), (1, [0.0, 0.0])])

@@ -59,7 +59,14 @@ def _shared_embeddings(worker) -> dict:
     logits = head.compute_logits(torch.zeros((1, head.config.hidden_size)))
     return {"same": head.model.embed_tokens.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr(),
             "finite": int(torch.isfinite(logits).sum()), "width": logits.shape[-1],
+            "support": None if runner._dsbd_support is None else runner._dsbd_support.tolist(),
+            "logit_support": torch.isfinite(logits[0]).nonzero()[:, 0].tolist(),
             "features": tuple(runner._dsbd_features.features.shape)}
+
+
+def _head_layers(worker) -> int:
+    """Runs in the worker: the decoder layers of the engine's head."""
+    return len(worker.model_runner.drafter.model.model.layers)
 
 
 def test_a_head_shares_the_target_embeddings_and_drafts_over_its_own_vocabulary(head_llm, monkeypatch):
@@ -69,6 +76,7 @@ def test_a_head_shares_the_target_embeddings_and_drafts_over_its_own_vocabulary(
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker cannot import this test module
     (probe,) = head_llm.collective_rpc(_shared_embeddings)
     assert probe["same"] and probe["width"] == 49152 and probe["finite"] == 1024
+    assert probe["support"] == probe["logit_support"]  # the draws run over the head's draft vocabulary
     assert probe["features"][1] == 64 and probe["features"][0] % 16 == 0  # one row per KV slot
 
 
@@ -125,19 +133,27 @@ def test_no_kv_blocks_leak_with_a_head(head_llm):
 
 def test_a_head_trained_here_drafts_losslessly(engine_pool, tiny_eos_target, tiny_eos_llm, tmp_path_factory):
     """A head from ``vllm-dsbd train-drafter``'s code (a few steps on random teacher rows, exported in the
-    speculators format without embeddings) loads as a DSBD draft; T 0 stays vLLM's beam search."""
+    speculators format without embeddings; two decoder layers, ``--head-layers 2``) loads as a DSBD draft;
+    T 0 stays vLLM's beam search. (One-layer heads trained here: the shipped head's test on SmolLM2.)"""
     from eagle3_heads import fake_teacher_shards  # tests/eagle3_heads.py
 
     from vllm_dsbd.draft import eagle3_head
 
     def start():
         root = tmp_path_factory.mktemp("trained-head")
-        settings = eagle3_head.HeadSettings(aux_ids=(0, 1, 2), draft_vocab_size=512, tokens=300, batch_tokens=100)
+        settings = eagle3_head.HeadSettings(aux_ids=(0, 1, 2), draft_vocab_size=512, tokens=300, batch_tokens=100,
+                                            num_layers=2)
         eagle3_head.train(settings, tiny_eos_target, fake_teacher_shards(root / "data"), root / "ck", progress=False)
         return start_spec_llm(tiny_eos_target, eagle3_head.export(settings, tiny_eos_target, root / "ck", root / "head"),
-                              {})
+                              PICKLE)
 
     llm = engine_pool.get("trained_head_llm", start)
+    import cloudpickle
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(*next(iter(PICKLE.items())))
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        assert llm.collective_rpc(_head_layers) == [2]
     want = beam_search(tiny_eos_llm, PROMPTS, 4, 10)
     _assert_same_search(want, llm.generate(PROMPTS, _beams(4, 2, 10), use_tqdm=False))
 

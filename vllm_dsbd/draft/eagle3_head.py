@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -52,6 +52,11 @@ class HeadSettings:
     tokens: int = 500_000  # answer tokens to train on (passes over the data as needed)
     seed: int = 0
     bf16: bool = True  # bf16 autocast (fp32 weights and optimiser)
+    num_layers: int = 1  # decoder layers of the head (the first takes [embedding, feature]; vLLM runs any number)
+
+
+_DEFAULTS = {f.name: f.default for f in fields(HeadSettings) if f.default is not MISSING}
+"""What a checkpoint of an older version, which did not record a setting, was trained with."""
 
 
 def default_aux_ids(num_layers: int) -> tuple[int, ...]:
@@ -91,7 +96,7 @@ def build_head(target_dir: Path, settings: HeadSettings, d2t: torch.Tensor, t2d:
     target = AutoConfig.from_pretrained(target_dir)
     layer = LlamaConfig(
         vocab_size=target.vocab_size, hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
-        num_hidden_layers=1, num_attention_heads=target.num_attention_heads,
+        num_hidden_layers=settings.num_layers, num_attention_heads=target.num_attention_heads,
         num_key_value_heads=target.num_key_value_heads,
         head_dim=getattr(target, "head_dim", None) or target.hidden_size // target.num_attention_heads,
         hidden_act=target.hidden_act, max_position_embeddings=target.max_position_embeddings,
@@ -244,7 +249,7 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
         raise ValueError(f"the stored features in {stored} do not match the teacher rows in {data_dir}; "
                          "delete that folder to compute them again")
     state = torch.load(path, weights_only=False) if path.exists() else None
-    if state is not None and state["settings"] != asdict(settings):
+    if state is not None and {**_DEFAULTS, **state["settings"]} != asdict(settings):
         raise ValueError(f"{path} was trained with other settings {state['settings']}; use another --work-dir")
     vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
     if state is None:

@@ -13,6 +13,12 @@ import argparse
 from pathlib import Path
 
 
+def _layers(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: an integer >= 1 (decoder layers of the head)")
+    return int(text)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", default="default", help="the pair whose target the head drafts for")
     p.add_argument("--out", required=True, help="folder for the head (speculators format)")
@@ -22,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--teach-tokens", type=int, default=None, help="answer tokens to generate (default: --tokens)")
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps (at least the γ you will use)")
+    p.add_argument("--head-layers", type=_layers, default=1,
+                   help="decoder layers of the head (1: EAGLE-3's; more cost a draft forward each)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
@@ -47,8 +55,10 @@ def run(args: argparse.Namespace) -> int:
     layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
     settings = eagle3_head.HeadSettings(
         aux_ids=eagle3_head.default_aux_ids(layers), draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
-        lr=args.lr, batch_tokens=args.batch_tokens, tokens=args.tokens, seed=args.seed)
-    ckpt = work / f"head-{args.pair}-seed{args.seed}-v{args.draft_vocab_size}-ttt{args.ttt_steps}-tok{args.tokens}"
+        lr=args.lr, batch_tokens=args.batch_tokens, tokens=args.tokens, seed=args.seed, num_layers=args.head_layers)
+    layers_tag = f"-layers{args.head_layers}" if args.head_layers != 1 else ""  # 1: the name older versions used
+    ckpt = work / (f"head-{args.pair}-seed{args.seed}-v{args.draft_vocab_size}-ttt{args.ttt_steps}-tok{args.tokens}"
+                   + layers_tag)
     if args.stage in ("all", "teach"):
         with tqdm(total=args.teach_tokens or args.tokens, desc="teacher", unit="tok", unit_scale=True) as bar:
             n = teacher.generate_shards(target, data, tokens=args.teach_tokens or args.tokens, seed=args.seed,
