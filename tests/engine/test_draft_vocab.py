@@ -31,6 +31,7 @@ def _draft_logits(worker) -> dict:
     full = hidden @ weight[:logits.shape[-1]].T
     finite = torch.isfinite(logits).all(0)
     return {"finite_ids": finite.nonzero().flatten().tolist(), "vocab": logits.shape[-1],
+            "support": worker.model_runner._dsbd_support.tolist(),
             "max_diff": float((logits[:, finite] - full[:, finite]).abs().max())}
 
 
@@ -42,6 +43,7 @@ def test_the_draft_head_computes_only_the_kept_ids(reduced_llm, monkeypatch):
     probe = reduced_llm.collective_rpc(_draft_logits)[0]
     assert probe["vocab"] == 49152
     assert probe["finite_ids"] == list(range(KEEP))  # the special tokens are among the lowest ids here
+    assert probe["support"] == probe["finite_ids"]  # T > 0 draws run over these columns (spec_step.draft_layer)
     assert probe["max_diff"] < 1e-4
 
 

@@ -181,9 +181,10 @@ class ForestAttentionImpl:
             inner.do_kv_cache_update(layer, k[keep], v[keep], kv_cache, slots[keep])
         # What each row attends to, as one set of keys: the contexts (each (blocks, length) read once), then
         # every scratch row of the step; a mask keeps each row to its context and its chain.
+        context_of = [(id(rows.block_tables[r]), rows.context_lens[r]) for r in range(num)]
         contexts: dict[tuple[int, int], int] = {}
-        for r in range(num):
-            contexts.setdefault((id(rows.block_tables[r]), rows.context_lens[r]), r)
+        for r, context in enumerate(context_of):
+            contexts.setdefault(context, r)
         firsts = list(contexts.values())
         ctx_k, ctx_v, starts = self._reader.read(kv_cache, [rows.block_tables[r] for r in firsts],
                                                  [rows.context_lens[r] for r in firsts])
@@ -193,7 +194,7 @@ class ForestAttentionImpl:
         width = ctx_k.shape[0]
         mask = np.zeros((num, width + scratch_k.shape[0]), dtype=bool)
         for r in range(num):
-            start = start_of[(id(rows.block_tables[r]), rows.context_lens[r])]
+            start = start_of[context_of[r]]
             mask[r, start:start + rows.context_lens[r]] = True
             mask[r, [width + a for a in rows.ancestors[r]] + [width + ids[r]]] = True
         keys = torch.cat([ctx_k, scratch_k.to(ctx_k.dtype)]).transpose(0, 1)[None].float()  # [1, kvh, T, hd]
