@@ -6,7 +6,10 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from vllm_dsbd.algorithm import joint
 from vllm_dsbd.algorithm import (
     beam_search_score,
     joint_probs,
@@ -87,6 +90,32 @@ def test_inverse_cdf_hits_each_index_in_proportion():
     assert counts.tolist() == [0, 100, 0, 200, 100, 0]
     edge = sample_from_uniforms(probs, torch.tensor([[0.0, 0.99999994]]))
     assert edge.tolist() == [[1, 4]]
+
+
+def _one_level_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The textbook draw the two-level one must equal: one float64 cumulative sum over the whole row."""
+    cdf = probs.double().cumsum(-1)
+    return torch.searchsorted(cdf, u.double() * cdf[:, -1:], right=True)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(num=st.integers(1, 5000), block=st.sampled_from([1, 3, 64, 1024]), zeros=st.floats(0.0, 0.99),
+       seed=st.integers(0, 2**31 - 1))
+def test_two_level_inverse_cdf_equals_one_cumulative_sum(num, block, zeros, seed):
+    """Blocked sampling draws the same index as one float64 cumulative sum over the row, for any row length,
+    block size and share of zero-mass entries (padding of the last block and empty blocks included)."""
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.rand((3, num), generator=gen) * (torch.rand((3, num), generator=gen) >= zeros)
+    probs[:, torch.randint(num, (1,), generator=gen)] += 1e-3  # every row has some mass
+    u = torch.rand((3, 64), generator=gen)
+    old, joint.CDF_BLOCK = joint.CDF_BLOCK, block
+    try:
+        got = sample_from_uniforms(probs, u)
+    finally:
+        joint.CDF_BLOCK = old
+    want = _one_level_inverse_cdf(probs, u)
+    assert bool((probs.gather(1, got) > 0).all())
+    assert torch.equal(got, want)
 
 
 def test_per_group_generators_do_not_depend_on_the_batch():
