@@ -140,7 +140,7 @@ def sample_from_uniforms(probs: Tensor, u: Tensor) -> Tensor:
     cumulative sum of the per-block masses (``CDF_BLOCK`` entries each) picks
     the block of ``u * total``, then the cumulative sum inside that block alone
     picks the entry. Worked example (blocks of 2): probs [0, .25 | 0, .5 | .25, 0],
-    u .6: block masses [.25, .5, .25], target .6 lands in block 1 (cdf .25..75),
+    u .6: block masses [.25, .5, .25], target .6 lands in block 1 (cdf .25 to .75),
     .35 into it: entry 3 (cdf inside the block [0, .5]).
     """
     num_groups, num = probs.shape
@@ -159,7 +159,8 @@ def sample_from_uniforms(probs: Tensor, u: Tensor) -> Tensor:
     inside = probs.gather(1, entries.clamp(max=num - 1).flatten(1)).view(num_groups, num_samples, CDF_BLOCK)
     cdf = inside.masked_fill(entries >= num, 0).cumsum(-1, dtype=torch.float64)  # [G, S, CDF_BLOCK]
     pos = torch.searchsorted(cdf, (aim - before)[:, :, None], right=True)
-    pos = torch.minimum(pos, torch.searchsorted(cdf, cdf[:, :, -1:].contiguous(), right=False))  # rounding: the last with mass
+    # rounding may aim past the block's own sum: take its last entry with mass
+    pos = torch.minimum(pos, torch.searchsorted(cdf, cdf[:, :, -1:].contiguous(), right=False))
     index = block * CDF_BLOCK + pos[:, :, 0]
     return torch.where(total > 0, index, num - 1)
 
