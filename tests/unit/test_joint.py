@@ -9,7 +9,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_dsbd.algorithm import joint
 from vllm_dsbd.algorithm import (
     beam_search_score,
     joint_probs,
@@ -108,11 +107,7 @@ def test_two_level_inverse_cdf_equals_one_cumulative_sum(num, block, zeros, seed
     probs = torch.rand((3, num), generator=gen) * (torch.rand((3, num), generator=gen) >= zeros)
     probs[:, torch.randint(num, (1,), generator=gen)] += 1e-3  # every row has some mass
     u = torch.rand((3, 64), generator=gen)
-    old, joint.CDF_BLOCK = joint.CDF_BLOCK, block
-    try:
-        got = sample_from_uniforms(probs, u)
-    finally:
-        joint.CDF_BLOCK = old
+    got = sample_from_uniforms(probs, u, block_size=block)
     want = _one_level_inverse_cdf(probs, u)
     assert bool((probs.gather(1, got) > 0).all())
     assert torch.equal(got, want)

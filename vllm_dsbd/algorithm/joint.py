@@ -129,7 +129,7 @@ CDF_BLOCK = 1024
 """Entries per block of :func:`sample_from_uniforms`' two-level cumulative sum."""
 
 
-def sample_from_uniforms(probs: Tensor, u: Tensor) -> Tensor:
+def sample_from_uniforms(probs: Tensor, u: Tensor, block_size: int = CDF_BLOCK) -> Tensor:
     """Inverse-CDF draws: ``out[g, s]`` is a draw from ``probs[g]`` driven by ``u[g, s]``.
 
     probs: [G, N] non-negative (need not sum to 1). u: [G, S] in [0, 1).
@@ -137,7 +137,7 @@ def sample_from_uniforms(probs: Tensor, u: Tensor) -> Tensor:
     return ``N - 1``; callers must mask them).
 
     Two levels, so no pass builds an [N] float64 cumulative sum: the float64
-    cumulative sum of the per-block masses (``CDF_BLOCK`` entries each) picks
+    cumulative sum of the per-block masses (``block_size`` entries each) picks
     the block of ``u * total``, then the cumulative sum inside that block alone
     picks the entry. Worked example (blocks of 2): probs [0, .25 | 0, .5 | .25, 0],
     u .6: block masses [.25, .5, .25], target .6 lands in block 1 (cdf .25 to .75),
@@ -145,23 +145,23 @@ def sample_from_uniforms(probs: Tensor, u: Tensor) -> Tensor:
     """
     num_groups, num = probs.shape
     num_samples = u.shape[1]
-    num_full, tail = divmod(num, CDF_BLOCK)
-    masses = [probs[:, : num_full * CDF_BLOCK].reshape(num_groups, num_full, CDF_BLOCK).sum(-1, dtype=torch.float64)]
+    num_full, tail = divmod(num, block_size)
+    masses = [probs[:, : num_full * block_size].reshape(num_groups, num_full, block_size).sum(-1, dtype=torch.float64)]
     if tail:
-        masses.append(probs[:, num_full * CDF_BLOCK:].sum(-1, keepdim=True, dtype=torch.float64))
+        masses.append(probs[:, num_full * block_size:].sum(-1, keepdim=True, dtype=torch.float64))
     block_cdf = torch.cat(masses, -1).cumsum(-1)  # [G, blocks]
     total = block_cdf[:, -1:].contiguous()
     aim = u.double() * total  # [G, S]
     block = torch.searchsorted(block_cdf, aim, right=True)
     block = torch.minimum(block, torch.searchsorted(block_cdf, total, right=False))  # the last block with mass
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_min(0)), 0.0)  # [G, S]
-    entries = block[:, :, None] * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)  # [G, S, CDF_BLOCK]
-    inside = probs.gather(1, entries.clamp(max=num - 1).flatten(1)).view(num_groups, num_samples, CDF_BLOCK)
-    cdf = inside.masked_fill(entries >= num, 0).cumsum(-1, dtype=torch.float64)  # [G, S, CDF_BLOCK]
+    entries = block[:, :, None] * block_size + torch.arange(block_size, device=probs.device)  # [G, S, block_size]
+    inside = probs.gather(1, entries.clamp(max=num - 1).flatten(1)).view(num_groups, num_samples, block_size)
+    cdf = inside.masked_fill(entries >= num, 0).cumsum(-1, dtype=torch.float64)  # [G, S, block_size]
     pos = torch.searchsorted(cdf, (aim - before)[:, :, None], right=True)
     # rounding may aim past the block's own sum: take its last entry with mass
     pos = torch.minimum(pos, torch.searchsorted(cdf, cdf[:, :, -1:].contiguous(), right=False))
-    index = block * CDF_BLOCK + pos[:, :, 0]
+    index = block * block_size + pos[:, :, 0]
     return torch.where(total > 0, index, num - 1)
 
 
