@@ -131,6 +131,23 @@ def test_a_head_of_two_layers_exports_both(tiny_pair, tmp_path):
                                                      "layers.1.self_attn.q_proj.weight": hidden}
 
 
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "hot"])
+def test_train_drafter_refuses_a_teacher_temperature_that_is_not_a_finite_number_at_least_0(value, capsys):
+    from vllm_dsbd import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["train-drafter", "--out", "unused", "--teacher-temperature", value])
+    assert f"--teacher-temperature: {value!r} is invalid; allowed: a finite number >= 0" in capsys.readouterr().err
+
+
+def test_greedy_teacher_data_and_its_heads_live_apart_from_sampled_ones():
+    """``--teacher-temperature 0``: its own teacher folder and checkpoint names; T 1 keeps the older names."""
+    from vllm_dsbd.draft import train_drafter
+
+    assert train_drafter.data_tag(1.0) == "" and train_drafter.data_tag(0.0) == "-t0"
+    assert train_drafter.data_tag(0.7) == "-t0.7"
+
+
 @pytest.mark.parametrize("steps, expected", [(2, [1.0, 0.0]), (1, [0.0, 0.0])])
 def test_eval_head_counts_a_chain_as_agreed_only_while_every_draft_is_the_targets_top_1(tiny_pair, tmp_path, steps,
                                                                                           expected):

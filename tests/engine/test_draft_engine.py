@@ -48,6 +48,13 @@ def test_teacher_rows_are_the_targets_own_samples_and_log_probs(target_llm, hf_t
     bare = teacher.sample_rows(target_llm, ids, seeds, max_new_tokens=16, top_k=0)  # answers only (train-drafter)
     assert [r["answer"] for r in bare] == [r["answer"] for r in rows] and all(set(r) == {"prompt", "answer"}
                                                                               for r in bare)
+    greedy = teacher.sample_rows(target_llm, ids, [s + 1 for s in seeds], max_new_tokens=16, top_k=0, temperature=0.0)
+    assert [r["answer"] for r in greedy] != [r["answer"] for r in rows]  # --teacher-temperature 0
+    for r in greedy:
+        p = len(r["prompt"])
+        with torch.inference_mode():
+            logits = hf_target(torch.tensor([r["prompt"] + r["answer"][:-1]])).logits[0, p - 1 :]
+        assert logits.argmax(-1).tolist() == r["answer"]  # the target's greedy answer, whatever the seed
     for r in rows:
         assert r["top_ids"].shape == r["top_logp"].shape == (len(r["answer"]), k)
         p = len(r["prompt"])

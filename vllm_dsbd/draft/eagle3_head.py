@@ -53,6 +53,7 @@ class HeadSettings:
     seed: int = 0
     bf16: bool = True  # bf16 autocast (fp32 weights and optimiser)
     num_layers: int = 1  # decoder layers of the head (the first takes [embedding, feature]; vLLM runs any number)
+    teacher_temperature: float = 1.0  # of the teacher's answers it trains on (0: the target's greedy answers)
 
 
 _DEFAULTS = {f.name: f.default for f in fields(HeadSettings) if f.default is not MISSING}

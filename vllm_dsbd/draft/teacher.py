@@ -1,7 +1,8 @@
 """Teacher data: the target's own sampled answers with its next-token distributions.
 
 The target, run by vLLM, answers chat prompts at temperature 1 (plain
-multinomial sampling, no top-k/top-p); for every generated position vLLM
+multinomial sampling, no top-k/top-p; ``TeacherConfig.temperature`` sets
+another, 0 for its greedy answers); for every generated position vLLM
 also returns the target's top-``k`` log-probabilities (``logprobs=k``; the
 rest of the vocabulary is one bucket with the remaining mass in training).
 
@@ -28,6 +29,7 @@ class TeacherConfig:
     max_new_tokens: int = 256
     max_prompt_tokens: int = 512
     top_k: int = 64  # 0: answers only (no log-probs)
+    temperature: float = 1.0  # of the answers (0: greedy); the log-probs stay the target's at T 1
     max_num_seqs: int = 128  # sequences vLLM decodes together
     kv_cache_bytes: int = 3 << 30
 
@@ -182,11 +184,12 @@ def rows_from_outputs(prompt_ids: list[list[int]], outputs, top_k: int) -> list[
     return rows
 
 
-def sample_rows(llm, prompt_ids: list[list[int]], seeds: list[int], *, max_new_tokens: int, top_k: int) -> list[dict]:
+def sample_rows(llm, prompt_ids: list[list[int]], seeds: list[int], *, max_new_tokens: int, top_k: int,
+                temperature: float = 1.0) -> list[dict]:
     """The target (a vLLM ``LLM``) answers every prompt once; see :func:`rows_from_outputs`."""
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in prompt_ids],
-        sampling_params(seeds, max_new_tokens=max_new_tokens, top_k=top_k or None),
+        sampling_params(seeds, max_new_tokens=max_new_tokens, top_k=top_k or None, temperature=temperature),
         use_tqdm=False,
     )
     return rows_from_outputs(prompt_ids, outputs, top_k)
@@ -214,7 +217,8 @@ def generate_shards(target_dir: Path, data_dir: Path, *, tokens: int, seed: int,
                 prompts = shard_prompts(i + 1, seed, cfg.seqs_per_shard)[i]
                 ids = [chat_ids(tok, p, cfg.max_prompt_tokens) for p in prompts]
                 seeds = [request_seed(seed, i, j) for j in range(len(ids))]
-                rows = sample_rows(llm, ids, seeds, max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k)
+                rows = sample_rows(llm, ids, seeds, max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k,
+                                   temperature=cfg.temperature)
                 n = sum(len(r["answer"]) for r in rows)
                 tmp = final.with_suffix(f".tmp{os.getpid()}")
                 torch.save({"index": i, "seed": seed, "num_tokens": n, "rows": rows}, tmp)

@@ -19,6 +19,21 @@ def _layers(text: str) -> int:
     return int(text)
 
 
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: a finite number >= 0 (0: greedy answers)")
+    return value
+
+
+def data_tag(teacher_temperature: float) -> str:
+    """The suffix of the teacher folder and checkpoint names: none at T 1 (the names older versions used)."""
+    return "" if teacher_temperature == 1.0 else f"-t{teacher_temperature:g}"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", default="default", help="the pair whose target the head drafts for")
     p.add_argument("--out", required=True, help="folder for the head (speculators format)")
@@ -26,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", choices=("all", "teach", "train", "export"), default="all")
     p.add_argument("--tokens", type=int, default=500_000, help="answer tokens to train on")
     p.add_argument("--teach-tokens", type=int, default=None, help="answer tokens to generate (default: --tokens)")
+    p.add_argument("--teacher-temperature", type=_temperature, default=1.0,
+                   help="temperature of the target's training answers (0: its greedy answers; own folder per value)")
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps (at least the γ you will use)")
     p.add_argument("--head-layers", type=_layers, default=1,
@@ -51,18 +68,21 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     target = Path(pairs.pair_paths(args.pair, args.cache_dir).target)
     work = Path(args.work_dir) if args.work_dir else models.cache_root(args.cache_dir) / "eagle3-work"
-    data = work / f"teacher-{args.pair}-seed{args.seed}"
+    tag = data_tag(args.teacher_temperature)
+    data = work / f"teacher-{args.pair}-seed{args.seed}{tag}"
     layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
     settings = eagle3_head.HeadSettings(
         aux_ids=eagle3_head.default_aux_ids(layers), draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
-        lr=args.lr, batch_tokens=args.batch_tokens, tokens=args.tokens, seed=args.seed, num_layers=args.head_layers)
+        lr=args.lr, batch_tokens=args.batch_tokens, tokens=args.tokens, seed=args.seed, num_layers=args.head_layers,
+        teacher_temperature=args.teacher_temperature)
     layers_tag = f"-layers{args.head_layers}" if args.head_layers != 1 else ""  # 1: the name older versions used
     ckpt = work / (f"head-{args.pair}-seed{args.seed}-v{args.draft_vocab_size}-ttt{args.ttt_steps}-tok{args.tokens}"
-                   + layers_tag)
+                   + layers_tag + tag)
     if args.stage in ("all", "teach"):
         with tqdm(total=args.teach_tokens or args.tokens, desc="teacher", unit="tok", unit_scale=True) as bar:
             n = teacher.generate_shards(target, data, tokens=args.teach_tokens or args.tokens, seed=args.seed,
-                                        cfg=teacher.TeacherConfig(top_k=0), progress=bar)
+                                        cfg=teacher.TeacherConfig(top_k=0, temperature=args.teacher_temperature),
+                                        progress=bar)
         print(f"teacher data: {n} shards in {data}")
     if args.stage in ("all", "train"):
         state = eagle3_head.train(settings, target, data, ckpt, stop_after=args.stop_after)
