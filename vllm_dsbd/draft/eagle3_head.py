@@ -338,7 +338,7 @@ def export(settings: HeadSettings, target_dir: Path, ckpt_dir: Path, out_dir: Pa
     config.pop("auto_map", None)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "config.py").unlink(missing_ok=True)
-    training = {"settings": state["settings"], "steps": state["step"], "tokens_seen": state["tokens_seen"],
+    training = {"settings": {**_DEFAULTS, **state["settings"]}, "steps": state["step"], "tokens_seen": state["tokens_seen"],
                 "train_seconds": state["seconds"], "feature_seconds": state.get("feature_seconds"),
                 "last_log_rows": state["log"][-10:]}
     (out_dir / "training.json").write_text(json.dumps(training, indent=1) + "\n")
