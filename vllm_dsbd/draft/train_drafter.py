@@ -10,6 +10,7 @@ shards; speculators' head trained over them, checkpoints in the work folder),
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 
@@ -23,8 +24,8 @@ def _temperature(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: a finite number >= 0 (0: greedy answers)")
     return value
 
