@@ -63,6 +63,21 @@ def test_features_are_stored_once_per_teacher_shard_and_read_back_per_row(tiny_p
     assert len(eagle3_head.stored_features(out, 3)[0]) == 9
 
 
+def test_features_of_other_aux_layers_are_cut_from_a_store_that_holds_them(tiny_pair, tmp_path, monkeypatch):
+    """Ids (1, 2) come from the (0, 1, 2) store without the target (id 2 = L: its ``last``); the same values."""
+    data = fake_shards(tmp_path / "data", num_shards=2, rows=3)
+    eagle3_head.store_features(tiny_pair.target, data, (0, 1, 2), 25, progress=False)
+    fresh = fake_shards(tmp_path / "fresh", num_shards=2, rows=3)
+    want, _ = eagle3_head.stored_features(eagle3_head.store_features(tiny_pair.target, fresh, (1, 2), 25, False), 2)
+    monkeypatch.setattr(eagle3_head, "TargetFeatures", None)  # computing them would fail
+    got, _ = eagle3_head.stored_features(eagle3_head.store_features(tiny_pair.target, data, (1, 2), 25, False), 2)
+    assert len(got) == len(want) == 6
+    for (aux, last), (want_aux, want_last) in zip(got, want):
+        assert aux.shape == (25, 128) and torch.equal(aux, want_aux) and torch.equal(last, want_last)
+    with pytest.raises(TypeError):  # ids (0, 1) are in no other store of ``fresh``: computed, which fails here
+        eagle3_head.store_features(tiny_pair.target, fresh, (0, 1), 25, False)
+
+
 def test_training_refuses_stored_features_of_other_teacher_rows(tiny_pair, tmp_path):
     data = fake_shards(tmp_path / "data")
     eagle3_head.train(SETTINGS, tiny_pair.target, data, tmp_path / "a", stop_after=1, progress=False)
@@ -146,6 +161,26 @@ def test_greedy_teacher_data_and_its_heads_live_apart_from_sampled_ones():
 
     assert train_drafter.data_tag(1.0) == "" and train_drafter.data_tag(0.0) == "-t0"
     assert train_drafter.data_tag(0.7) == "-t0.7"
+
+
+@pytest.mark.parametrize("value", ["2,15,x", "2,,3", "1,-2", "4,4"])
+def test_train_drafter_refuses_aux_layers_that_are_not_distinct_ids(value, capsys):
+    from vllm_dsbd import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["train-drafter", "--out", "unused", "--aux-layers", value])
+    assert f"--aux-layers: {value!r} is invalid; allowed: distinct layer ids >= 0" in capsys.readouterr().err
+
+
+def test_aux_layers_beyond_the_target_are_refused_and_other_choices_get_their_own_checkpoint():
+    from vllm_dsbd.draft import train_drafter
+
+    assert train_drafter.aux_layer_ids(None, 30) == (2, 15, 27)
+    assert train_drafter.aux_layer_ids((2, 15, 30), 30) == (2, 15, 30)
+    with pytest.raises(SystemExit, match=r"--aux-layers 2,15,31: the target has 30 layers; allowed ids: 0..30"):
+        train_drafter.aux_layer_ids((2, 15, 31), 30)
+    assert train_drafter.aux_tag((2, 15, 27), (2, 15, 27)) == ""
+    assert train_drafter.aux_tag((2, 15, 30), (2, 15, 27)) == "-aux2-15-30"
 
 
 @pytest.mark.parametrize("steps, expected", [(2, [1.0, 0.0]), (1, [0.0, 0.0])])

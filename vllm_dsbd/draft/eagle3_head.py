@@ -178,8 +178,14 @@ def store_features(target_dir: Path, data_dir: Path, aux_ids: tuple[int, ...], m
     todo = [i for i in range(teacher.num_shards(data_dir)) if not _feature_path(out, i).exists()]
     if not todo:
         return out
-    features = TargetFeatures(target_dir, aux_ids)
+    layers = json.loads((Path(target_dir) / "config.json").read_text())["num_hidden_layers"]
+    features = None
     for i in tqdm(todo, desc="target features", unit="shard", disable=not progress):
+        derived = _derived_features(data_dir, out, i, aux_ids, layers)
+        if derived is not None:
+            torch.save(derived, _feature_path(out, i))
+            continue
+        features = features or TargetFeatures(target_dir, aux_ids)
         started = time.monotonic()
         rows = _shard_rows(data_dir, i, max_len)
         pieces = [features(r["ids"]) for r in rows]
@@ -190,6 +196,23 @@ def store_features(target_dir: Path, data_dir: Path, aux_ids: tuple[int, ...], m
                     "seconds": round(time.monotonic() - started, 1)}, tmp)
         tmp.replace(_feature_path(out, i))
     return out
+
+
+def _derived_features(data_dir: Path, out: Path, index: int, aux_ids: tuple[int, ...], layers: int) -> dict | None:
+    """Shard ``index``'s features for ``aux_ids``, cut from another store of the same rows that holds every id
+    they name (id ``layers``, the last layer's output, is every store's ``last``), or None if none does."""
+    want = sorted(set(aux_ids))
+    for other in sorted(Path(data_dir).glob(f"features-aux*-{out.name.rsplit('-', 1)[-1]}")):
+        ids = [int(x) for x in other.name[len("features-aux"):].rsplit("-", 1)[0].split("-")]
+        if other == out or not _feature_path(other, index).exists() or not set(want) <= {*ids, layers}:
+            continue
+        shard = torch.load(_feature_path(other, index), mmap=True, weights_only=True)
+        hidden = shard["last"].shape[-1]
+        columns = [shard["last"] if i not in ids else shard["aux"][:, ids.index(i) * hidden:(ids.index(i) + 1) * hidden]
+                   for i in want]
+        return {"lengths": shard["lengths"], "aux": torch.cat(columns, dim=-1), "last": shard["last"].clone(),
+                "seconds": shard["seconds"]}
+    return None
 
 
 def stored_features(out: Path, num_shards: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float]:

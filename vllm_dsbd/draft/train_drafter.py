@@ -30,6 +30,31 @@ def _temperature(text: str) -> float:
     return value
 
 
+def _aux_layers(text: str) -> tuple[int, ...]:
+    parts = text.split(",")
+    if not all(p.strip().isdigit() for p in parts) or len({int(p) for p in parts}) != len(parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: distinct layer ids >= 0 separated by commas "
+                                         "(id i: the state entering target layer i, id L: its last layer's output)")
+    return tuple(sorted(int(p) for p in parts))
+
+
+def aux_layer_ids(asked: tuple[int, ...] | None, target_layers: int) -> tuple[int, ...]:
+    """``--aux-layers`` checked against the target's depth, or vLLM's default for it."""
+    if asked is None:
+        from vllm_dsbd.draft.eagle3_head import default_aux_ids
+
+        return default_aux_ids(target_layers)
+    if asked[-1] > target_layers:
+        raise SystemExit(f"--aux-layers {','.join(map(str, asked))}: the target has {target_layers} layers; "
+                         f"allowed ids: 0..{target_layers}")
+    return asked
+
+
+def aux_tag(aux_ids: tuple[int, ...], default: tuple[int, ...]) -> str:
+    """The suffix of the checkpoint name: none for the target's default aux layers (the name older versions used)."""
+    return "" if tuple(aux_ids) == tuple(default) else "-aux" + "-".join(map(str, aux_ids))
+
+
 def data_tag(teacher_temperature: float) -> str:
     """The suffix of the teacher folder and checkpoint names: none at T 1 (the names older versions used)."""
     return "" if teacher_temperature == 1.0 else f"-t{teacher_temperature:g}"
@@ -48,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps (at least the γ you will use)")
     p.add_argument("--head-layers", type=_layers, default=1,
                    help="decoder layers of the head (1: EAGLE-3's; more cost a draft forward each)")
+    p.add_argument("--aux-layers", type=_aux_layers, default=None,
+                   help="target layers whose states the head reads, e.g. 2,15,30 (default: vLLM's (2, L//2, L-3))")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
@@ -72,13 +99,14 @@ def run(args: argparse.Namespace) -> int:
     tag = data_tag(args.teacher_temperature)
     data = work / f"teacher-{args.pair}-seed{args.seed}{tag}"
     layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    aux_ids = aux_layer_ids(args.aux_layers, layers)
     settings = eagle3_head.HeadSettings(
-        aux_ids=eagle3_head.default_aux_ids(layers), draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
+        aux_ids=aux_ids, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
         lr=args.lr, batch_tokens=args.batch_tokens, tokens=args.tokens, seed=args.seed, num_layers=args.head_layers,
         teacher_temperature=args.teacher_temperature)
     layers_tag = f"-layers{args.head_layers}" if args.head_layers != 1 else ""  # 1: the name older versions used
     ckpt = work / (f"head-{args.pair}-seed{args.seed}-v{args.draft_vocab_size}-ttt{args.ttt_steps}-tok{args.tokens}"
-                   + layers_tag + tag)
+                   + layers_tag + aux_tag(aux_ids, eagle3_head.default_aux_ids(layers)) + tag)
     if args.stage in ("all", "teach"):
         with tqdm(total=args.teach_tokens or args.tokens, desc="teacher", unit="tok", unit_scale=True) as bar:
             n = teacher.generate_shards(target, data, tokens=args.teach_tokens or args.tokens, seed=args.seed,
