@@ -146,13 +146,16 @@ def test_a_head_of_two_layers_exports_both(tiny_pair, tmp_path):
                                                      "layers.1.self_attn.q_proj.weight": hidden}
 
 
-@pytest.mark.parametrize("value", ["-1", "nan", "inf", "hot"])
-def test_train_drafter_refuses_a_teacher_temperature_that_is_not_a_finite_number_at_least_0(value, capsys):
+@pytest.mark.parametrize("flag, value, allowed", [
+    *[("--teacher-temperature", v, "a finite number >= 0") for v in ("-1", "nan", "inf", "hot")],
+    *[("--aux-layers", v, "distinct layer ids >= 0") for v in ("2,15,x", "2,,3", "1,-2", "4,4")],
+])
+def test_train_drafter_refuses_a_bad_value_naming_the_flag_and_what_is_allowed(flag, value, allowed, capsys):
     from vllm_dsbd import cli
 
     with pytest.raises(SystemExit):
-        cli.main(["train-drafter", "--out", "unused", "--teacher-temperature", value])
-    assert f"--teacher-temperature: {value!r} is invalid; allowed: a finite number >= 0" in capsys.readouterr().err
+        cli.main(["train-drafter", "--out", "unused", flag, value])
+    assert f"{flag}: {value!r} is invalid; allowed: {allowed}" in capsys.readouterr().err
 
 
 def test_greedy_teacher_data_and_its_heads_live_apart_from_sampled_ones():
@@ -161,15 +164,6 @@ def test_greedy_teacher_data_and_its_heads_live_apart_from_sampled_ones():
 
     assert train_drafter.data_tag(1.0) == "" and train_drafter.data_tag(0.0) == "-t0"
     assert train_drafter.data_tag(0.7) == "-t0.7"
-
-
-@pytest.mark.parametrize("value", ["2,15,x", "2,,3", "1,-2", "4,4"])
-def test_train_drafter_refuses_aux_layers_that_are_not_distinct_ids(value, capsys):
-    from vllm_dsbd import cli
-
-    with pytest.raises(SystemExit):
-        cli.main(["train-drafter", "--out", "unused", "--aux-layers", value])
-    assert f"--aux-layers: {value!r} is invalid; allowed: distinct layer ids >= 0" in capsys.readouterr().err
 
 
 def test_aux_layers_beyond_the_target_are_refused_and_other_choices_get_their_own_checkpoint():
