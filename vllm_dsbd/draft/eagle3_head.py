@@ -181,26 +181,26 @@ def store_features(target_dir: Path, data_dir: Path, aux_ids: tuple[int, ...], m
     layers = json.loads((Path(target_dir) / "config.json").read_text())["num_hidden_layers"]
     features = None
     for i in tqdm(todo, desc="target features", unit="shard", disable=not progress):
-        derived = _derived_features(data_dir, out, i, aux_ids, layers)
-        if derived is not None:
-            torch.save(derived, _feature_path(out, i))
-            continue
-        features = features or TargetFeatures(target_dir, aux_ids)
-        started = time.monotonic()
-        rows = _shard_rows(data_dir, i, max_len)
-        pieces = [features(r["ids"]) for r in rows]
-        tmp = _feature_path(out, i).with_suffix(".tmp")
-        torch.save({"lengths": [len(r["ids"]) for r in rows],
-                    "aux": torch.cat([a for a, _ in pieces]).to(FEATURE_DTYPE),
-                    "last": torch.cat([b for _, b in pieces]).to(FEATURE_DTYPE),
-                    "seconds": round(time.monotonic() - started, 1)}, tmp)
+        shard = _derived_features(data_dir, out, i, aux_ids, layers)
+        if shard is None:
+            features = features or TargetFeatures(target_dir, aux_ids)
+            started = time.monotonic()
+            rows = _shard_rows(data_dir, i, max_len)
+            pieces = [features(r["ids"]) for r in rows]
+            shard = {"lengths": [len(r["ids"]) for r in rows],
+                     "aux": torch.cat([a for a, _ in pieces]).to(FEATURE_DTYPE),
+                     "last": torch.cat([b for _, b in pieces]).to(FEATURE_DTYPE),
+                     "seconds": round(time.monotonic() - started, 1)}
+        tmp = _feature_path(out, i).with_suffix(".tmp")  # written whole or not at all: a stop resumes here
+        torch.save(shard, tmp)
         tmp.replace(_feature_path(out, i))
     return out
 
 
 def _derived_features(data_dir: Path, out: Path, index: int, aux_ids: tuple[int, ...], layers: int) -> dict | None:
     """Shard ``index``'s features for ``aux_ids``, cut from another store of the same rows that holds every id
-    they name (id ``layers``, the last layer's output, is every store's ``last``), or None if none does."""
+    they name (id ``layers``, the last layer's output, is every store's ``last``), or None if none does. Its
+    ``seconds`` are the source's: what computing these features cost."""
     want = sorted(set(aux_ids))
     for other in sorted(Path(data_dir).glob(f"features-aux*-{out.name.rsplit('-', 1)[-1]}")):
         ids = [int(x) for x in other.name[len("features-aux"):].rsplit("-", 1)[0].split("-")]
