@@ -50,9 +50,10 @@ def aux_layer_ids(asked: tuple[int, ...] | None, target_layers: int) -> tuple[in
     return asked
 
 
-def aux_tag(aux_ids: tuple[int, ...], default: tuple[int, ...]) -> str:
+def aux_tag(asked: tuple[int, ...] | None, target_layers: int) -> str:
     """The suffix of the checkpoint name: none for the target's default aux layers (the name older versions used)."""
-    return "" if tuple(aux_ids) == tuple(default) else "-aux" + "-".join(map(str, aux_ids))
+    aux_ids = aux_layer_ids(asked, target_layers)
+    return "" if aux_ids == aux_layer_ids(None, target_layers) else "-aux" + "-".join(map(str, aux_ids))
 
 
 def data_tag(teacher_temperature: float) -> str:
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         teacher_temperature=args.teacher_temperature)
     layers_tag = f"-layers{args.head_layers}" if args.head_layers != 1 else ""  # 1: the name older versions used
     ckpt = work / (f"head-{args.pair}-seed{args.seed}-v{args.draft_vocab_size}-ttt{args.ttt_steps}-tok{args.tokens}"
-                   + layers_tag + aux_tag(aux_ids, eagle3_head.default_aux_ids(layers)) + tag)
+                   + layers_tag + aux_tag(args.aux_layers, layers) + tag)
     if args.stage in ("all", "teach"):
         with tqdm(total=args.teach_tokens or args.tokens, desc="teacher", unit="tok", unit_scale=True) as bar:
             n = teacher.generate_shards(target, data, tokens=args.teach_tokens or args.tokens, seed=args.seed,
