@@ -146,6 +146,25 @@ def test_a_head_of_two_layers_exports_both(tiny_pair, tmp_path):
                                                      "layers.1.self_attn.q_proj.weight": hidden}
 
 
+def test_an_fc_norm_head_normalises_each_aux_state_before_fc_and_exports_the_norms(tiny_pair, tmp_path):
+    """``train-drafter --fc-norm``: an RMSNorm per aux state before ``fc``, trained, exported, and read back by
+    ``eval-head`` (the engine test runs such a head in DSBD)."""
+    from safetensors import safe_open
+
+    from vllm_dsbd.draft import eval_head
+
+    settings = eagle3_head.HeadSettings(**{**SETTINGS.__dict__, "fc_norm": True, "lr": 0.05})
+    eagle3_head.train(settings, tiny_pair.target, fake_shards(tmp_path / "data"), tmp_path / "ck", stop_after=2,
+                      progress=False)
+    out = eagle3_head.export(settings, tiny_pair.target, tmp_path / "ck", tmp_path / "head", dtype=torch.float32)
+    assert json.loads((out / "config.json").read_text())["fc_norm"] is True
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        norms = [f.get_tensor(f"fc_norm.{i}.weight") for i in range(3)]
+    assert all(not torch.equal(n, torch.ones_like(n)) for n in norms)  # trained, not the initial ones
+    head = eval_head.load_head(out, tiny_pair.target)
+    assert all(torch.equal(m.weight, n) for m, n in zip(head.fc_norm, norms, strict=True))
+
+
 @pytest.mark.parametrize("flag, value, allowed", [
     *[("--teacher-temperature", v, "a finite number >= 0") for v in ("-1", "nan", "inf", "hot")],
     *[("--aux-layers", v, "distinct layer ids >= 0") for v in ("2,15,x", "2,,3", "1,-2", "4,4")],
@@ -175,6 +194,21 @@ def test_aux_layers_beyond_the_target_are_refused_and_other_choices_get_their_ow
         train_drafter.aux_layer_ids((2, 15, 31), 30)
     assert train_drafter.aux_tag(None, 30) == "" and train_drafter.aux_tag((2, 15, 27), 30) == ""
     assert train_drafter.aux_tag((2, 15, 30), 30) == "-aux2-15-30"
+
+
+def test_each_setting_away_from_its_default_gets_its_own_checkpoint_and_defaults_keep_the_older_name():
+    from vllm_dsbd import cli
+    from vllm_dsbd.draft import train_drafter
+
+    def name(*flags):
+        return train_drafter.checkpoint_name(cli.build_parser().parse_args(["train-drafter", "--out", "x", *flags]), 30)
+
+    assert name() == "head-default-seed0-v8192-ttt3-tok500000"
+    assert name("--aux-layers", "2,15,27") == name()
+    assert name("--ttt-steps", "1", "--tokens", "4000000") == "head-default-seed0-v8192-ttt1-tok4000000"
+    assert name("--fc-norm") == name() + "-fcnorm"
+    assert (name("--head-layers", "2", "--aux-layers", "2,15,30", "--fc-norm", "--teacher-temperature", "0")
+            == name() + "-layers2-aux2-15-30-fcnorm-t0")
 
 
 @pytest.mark.parametrize("steps, expected", [(2, [1.0, 0.0]), (1, [0.0, 0.0])])

@@ -64,9 +64,10 @@ def _shared_embeddings(worker) -> dict:
             "features": tuple(runner._dsbd_features.features.shape)}
 
 
-def _head_layers(worker) -> int:
-    """Runs in the worker: the decoder layers of the engine's head."""
-    return len(worker.model_runner.drafter.model.model.layers)
+def _head_layers(worker) -> tuple[int, int]:
+    """Runs in the worker: the decoder layers of the engine's head, and its per-aux-state norms before ``fc``."""
+    model = worker.model_runner.drafter.model.model
+    return len(model.layers), 0 if model.fc_norm is None else len(model.fc_norm)
 
 
 def test_a_head_shares_the_target_embeddings_and_drafts_over_its_own_vocabulary(head_llm, monkeypatch):
@@ -133,8 +134,9 @@ def test_no_kv_blocks_leak_with_a_head(head_llm):
 
 def test_a_head_trained_here_drafts_losslessly(engine_pool, tiny_eos_target, tiny_eos_llm, tmp_path_factory):
     """A head from ``vllm-dsbd train-drafter``'s code (a few steps on random teacher rows, exported in the
-    speculators format without embeddings; two decoder layers, ``--head-layers 2``) loads as a DSBD draft;
-    T 0 stays vLLM's beam search. (One-layer heads trained here: the shipped head's test on SmolLM2.)"""
+    speculators format without embeddings; two decoder layers, ``--head-layers 2``, and a norm on each aux
+    state, ``--fc-norm``) loads as a DSBD draft with both; T 0 stays vLLM's beam search. (One-layer heads
+    trained here: the shipped head's test on SmolLM2.)"""
     from eagle3_heads import fake_teacher_shards  # tests/eagle3_heads.py
 
     from vllm_dsbd.draft import eagle3_head
@@ -142,7 +144,7 @@ def test_a_head_trained_here_drafts_losslessly(engine_pool, tiny_eos_target, tin
     def start():
         root = tmp_path_factory.mktemp("trained-head")
         settings = eagle3_head.HeadSettings(aux_ids=(0, 1, 2), draft_vocab_size=512, tokens=300, batch_tokens=100,
-                                            num_layers=2)
+                                            num_layers=2, fc_norm=True)
         eagle3_head.train(settings, tiny_eos_target, fake_teacher_shards(root / "data"), root / "ck", progress=False)
         return start_spec_llm(tiny_eos_target, eagle3_head.export(settings, tiny_eos_target, root / "ck", root / "head"),
                               PICKLE)
@@ -153,7 +155,7 @@ def test_a_head_trained_here_drafts_losslessly(engine_pool, tiny_eos_target, tin
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(*next(iter(PICKLE.items())))
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
-        assert llm.collective_rpc(_head_layers) == [2]
+        assert [tuple(r) for r in llm.collective_rpc(_head_layers)] == [(2, 3)]
     want = beam_search(tiny_eos_llm, PROMPTS, 4, 10)
     _assert_same_search(want, llm.generate(PROMPTS, _beams(4, 2, 10), use_tqdm=False))
 

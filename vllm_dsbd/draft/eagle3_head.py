@@ -54,6 +54,7 @@ class HeadSettings:
     bf16: bool = True  # bf16 autocast (fp32 weights and optimiser)
     num_layers: int = 1  # decoder layers of the head (the first takes [embedding, feature]; vLLM runs any number)
     teacher_temperature: float = 1.0  # of the teacher's answers it trains on (0: the target's greedy answers)
+    fc_norm: bool = False  # an RMSNorm on each aux state before ``fc`` (speculators' and vLLM's ``fc_norm``)
 
 
 _DEFAULTS = {f.name: f.default for f in fields(HeadSettings) if f.default is not MISSING}
@@ -108,6 +109,7 @@ def build_head(target_dir: Path, settings: HeadSettings, d2t: torch.Tensor, t2d:
     layer._attn_implementation = ATTENTION  # before the model is built; not saved
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=settings.draft_vocab_size, norm_before_residual=False,
+        fc_norm=settings.fc_norm,
         eagle_aux_hidden_state_layer_ids=list(settings.aux_ids),
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=settings.ttt_steps)],

@@ -61,6 +61,15 @@ def data_tag(teacher_temperature: float) -> str:
     return "" if teacher_temperature == 1.0 else f"-t{teacher_temperature:g}"
 
 
+def checkpoint_name(args: argparse.Namespace, target_layers: int) -> str:
+    """The checkpoint folder of a run: a suffix per setting away from its default (none: the names older
+    versions used), since a checkpoint resumes only with the settings it was trained with."""
+    return (f"head-{args.pair}-seed{args.seed}-v{args.draft_vocab_size}-ttt{args.ttt_steps}-tok{args.tokens}"
+            + (f"-layers{args.head_layers}" if args.head_layers != 1 else "")
+            + aux_tag(args.aux_layers, target_layers) + ("-fcnorm" if args.fc_norm else "")
+            + data_tag(args.teacher_temperature))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", default="default", help="the pair whose target the head drafts for")
     p.add_argument("--out", required=True, help="folder for the head (speculators format)")
@@ -76,6 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decoder layers of the head (1: EAGLE-3's; more cost a draft forward each)")
     p.add_argument("--aux-layers", type=_aux_layers, default=None,
                    help="target layers whose states the head reads, e.g. 2,15,30 (default: vLLM's (2, L//2, L-3))")
+    p.add_argument("--fc-norm", action="store_true",
+                   help="normalise each aux state (RMSNorm) before the head's fc; its own checkpoint")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
@@ -104,10 +115,8 @@ def run(args: argparse.Namespace) -> int:
     settings = eagle3_head.HeadSettings(
         aux_ids=aux_ids, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
         lr=args.lr, batch_tokens=args.batch_tokens, tokens=args.tokens, seed=args.seed, num_layers=args.head_layers,
-        teacher_temperature=args.teacher_temperature)
-    layers_tag = f"-layers{args.head_layers}" if args.head_layers != 1 else ""  # 1: the name older versions used
-    ckpt = work / (f"head-{args.pair}-seed{args.seed}-v{args.draft_vocab_size}-ttt{args.ttt_steps}-tok{args.tokens}"
-                   + layers_tag + aux_tag(args.aux_layers, layers) + tag)
+        teacher_temperature=args.teacher_temperature, fc_norm=args.fc_norm)
+    ckpt = work / checkpoint_name(args, layers)
     if args.stage in ("all", "teach"):
         with tqdm(total=args.teach_tokens or args.tokens, desc="teacher", unit="tok", unit_scale=True) as bar:
             n = teacher.generate_shards(target, data, tokens=args.teach_tokens or args.tokens, seed=args.seed,
