@@ -165,6 +165,62 @@ def test_an_fc_norm_head_normalises_each_aux_state_before_fc_and_exports_the_nor
     assert all(torch.equal(m.weight, n) for m, n in zip(head.fc_norm, norms, strict=True))
 
 
+def test_a_run_from_a_pretrained_head_starts_from_its_weights_and_vocabulary(tiny_pair, tmp_path):
+    """``train-drafter --from-pretrained HEAD`` (speculators' flag): the run's first weights and draft vocabulary
+    are the exported head's (made on other data), it trains and resumes from there, and the new head's
+    training.json keeps the record of the one it started from."""
+    from safetensors.torch import load_file
+
+    first = eagle3_head.HeadSettings(**{**SETTINGS.__dict__, "lr": 0.05})
+    eagle3_head.train(first, tiny_pair.target, fake_shards(tmp_path / "other", seed=1), tmp_path / "a", stop_after=2,
+                      progress=False)
+    head = eagle3_head.export(first, tiny_pair.target, tmp_path / "a", tmp_path / "head", dtype=torch.float32)
+    weights = load_file(str(head / "model.safetensors"))
+    data = fake_shards(tmp_path / "data")
+    fresh = eagle3_head.train(SETTINGS, tiny_pair.target, data, tmp_path / "fresh", stop_after=0, progress=False)
+    assert not torch.equal(fresh["d2t"], weights["d2t"]) and not torch.equal(fresh["model"]["fc.weight"],
+                                                                           weights["fc.weight"])
+    warm = eagle3_head.HeadSettings(**{**SETTINGS.__dict__, "from_pretrained": str(head)})
+    start = eagle3_head.train(warm, tiny_pair.target, data, tmp_path / "b", stop_after=0, progress=False)
+    assert start["step"] == 0 and torch.equal(start["d2t"], weights["d2t"]) and torch.equal(start["t2d"],
+                                                                                          weights["t2d"])
+    assert start["model"].keys() <= weights.keys() and "fc.weight" in start["model"]
+    assert all(torch.equal(v, weights[k]) for k, v in start["model"].items())
+    done = eagle3_head.train(warm, tiny_pair.target, data, tmp_path / "b", progress=False)
+    assert done["step"] == 5 and torch.equal(done["d2t"], weights["d2t"])
+    assert not torch.equal(done["model"]["fc.weight"], weights["fc.weight"])
+    out = eagle3_head.export(warm, tiny_pair.target, tmp_path / "b", tmp_path / "warm-head")
+    training = json.loads((out / "training.json").read_text())
+    assert training["started_from"]["steps"] == 2 and training["settings"]["from_pretrained"] == str(head)
+
+
+def test_a_pretrained_head_built_otherwise_is_refused_naming_each_mismatch(tiny_pair, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    data = fake_shards(tmp_path / "data")
+    eagle3_head.train(SETTINGS, tiny_pair.target, data, tmp_path / "a", stop_after=1, progress=False)
+    head = eagle3_head.export(SETTINGS, tiny_pair.target, tmp_path / "a", tmp_path / "head")
+
+    def start(path, **changes):
+        settings = eagle3_head.HeadSettings(**{**SETTINGS.__dict__, "from_pretrained": str(path), **changes})
+        eagle3_head.train(settings, tiny_pair.target, data, tmp_path / "b", stop_after=0, progress=False)
+
+    with pytest.raises(ValueError, match=r"--draft-vocab-size is 256 but the head has 512; "
+                                         r"--fc-norm is True but the head has False \(train with"):
+        start(head, fc_norm=True, draft_vocab_size=256)
+    with pytest.raises(ValueError, match=r"--aux-layers is \(0, 2\) but the head has \(0, 1, 2\)"):
+        start(head, aux_ids=(0, 2))
+    with pytest.raises(ValueError, match="no config.json; allowed: a head train-drafter exported"):
+        start(tmp_path / "data")
+    weights = load_file(str(head / "model.safetensors"))
+    weights["fc.weight"] = weights["fc.weight"][:, :-1].contiguous()
+    del weights["norm.weight"]
+    save_file(weights, str(head / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"does not fit this target's head: no norm.weight; fc.weight \("):
+        start(head)
+    assert not (tmp_path / "b" / eagle3_head.CHECKPOINT).exists()  # nothing was saved from a refused start
+
+
 @pytest.mark.parametrize("flag, value, allowed", [
     *[("--teacher-temperature", v, "a finite number >= 0") for v in ("-1", "nan", "inf", "hot")],
     *[("--aux-layers", v, "distinct layer ids >= 0") for v in ("2,15,x", "2,,3", "1,-2", "4,4")],
@@ -209,6 +265,7 @@ def test_each_setting_away_from_its_default_gets_its_own_checkpoint_and_defaults
     assert name("--fc-norm") == name() + "-fcnorm"
     assert (name("--head-layers", "2", "--aux-layers", "2,15,30", "--fc-norm", "--teacher-temperature", "0")
             == name() + "-layers2-aux2-15-30-fcnorm-t0")
+    assert name("--from-pretrained", "heads/default-ttt1/") == name() + "-from-default-ttt1"
 
 
 @pytest.mark.parametrize("steps, expected", [(2, [1.0, 0.0]), (1, [0.0, 0.0])])

@@ -55,6 +55,7 @@ class HeadSettings:
     num_layers: int = 1  # decoder layers of the head (the first takes [embedding, feature]; vLLM runs any number)
     teacher_temperature: float = 1.0  # of the teacher's answers it trains on (0: the target's greedy answers)
     fc_norm: bool = False  # an RMSNorm on each aux state before ``fc`` (speculators' and vLLM's ``fc_norm``)
+    from_pretrained: str = ""  # an exported head whose weights and draft vocabulary the run starts from
 
 
 _DEFAULTS = {f.name: f.default for f in fields(HeadSettings) if f.default is not MISSING}
@@ -85,6 +86,48 @@ def draft_vocabulary(rows: list[dict], vocab_size: int, size: int) -> tuple[torc
         counts += torch.bincount(torch.as_tensor(r["answer"], dtype=torch.long), minlength=vocab_size)
     freq = {i: int(c) for i, c in enumerate(counts.tolist()) if c}
     return build_vocab_mappings_from_distribution(freq, size, vocab_size)
+
+
+def pretrained_head(head_dir: Path, settings: HeadSettings) -> tuple[dict, torch.Tensor, torch.Tensor, dict]:
+    """(weights, d2t, t2d, its training.json) of an exported head to start a run from (speculators'
+    ``--from-pretrained``), refused naming each setting of ``settings`` it was not built with."""
+    from safetensors.torch import load_file
+
+    head_dir = Path(head_dir)
+    try:
+        config = json.loads((head_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--from-pretrained {head_dir}: no config.json; allowed: a head train-drafter exported "
+                         "(speculators format)") from None
+    if config.get("speculators_model_type") != "eagle3":
+        raise ValueError(f"--from-pretrained {head_dir}: not an EAGLE-3 head in speculators format "
+                         f"(speculators_model_type {config.get('speculators_model_type')!r})")
+    has = {"--aux-layers": tuple(sorted(config["eagle_aux_hidden_state_layer_ids"])),
+           "--draft-vocab-size": config["draft_vocab_size"],
+           "--head-layers": config["transformer_layer_config"]["num_hidden_layers"],
+           "--fc-norm": bool(config.get("fc_norm", False))}
+    asked = {"--aux-layers": tuple(sorted(settings.aux_ids)), "--draft-vocab-size": settings.draft_vocab_size,
+             "--head-layers": settings.num_layers, "--fc-norm": settings.fc_norm}
+    wrong = [f"{k} is {asked[k]} but the head has {has[k]}" for k in has if has[k] != asked[k]]
+    if wrong:
+        raise ValueError(f"--from-pretrained {head_dir}: " + "; ".join(wrong) + " (train with the head's settings)")
+    weights = load_file(str(head_dir / "model.safetensors"))
+    d2t, t2d = weights.pop("d2t"), weights.pop("t2d")
+    training = head_dir / "training.json"
+    return ({k: v.float() for k, v in weights.items()}, d2t, t2d,
+            json.loads(training.read_text()) if training.exists() else {})
+
+
+def _load_pretrained(head, weights: dict, names: set[str], head_dir: str) -> None:
+    """Every trainable weight of ``head`` from ``weights``, refused naming a missing or misshapen one."""
+    own = head.state_dict()
+    missing = sorted(names - weights.keys())
+    shapes = [f"{k} {tuple(weights[k].shape)} (this target: {tuple(own[k].shape)})"
+              for k in sorted(names & weights.keys()) if weights[k].shape != own[k].shape]
+    if missing or shapes:
+        raise ValueError(f"--from-pretrained {head_dir} does not fit this target's head: "
+                         + "; ".join(([f"no {', '.join(missing)}"] if missing else []) + shapes))
+    head.load_state_dict({k: weights[k] for k in names}, strict=False)
 
 
 def build_head(target_dir: Path, settings: HeadSettings, d2t: torch.Tensor, t2d: torch.Tensor):
@@ -278,12 +321,18 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
     if state is not None and {**_DEFAULTS, **state["settings"]} != asdict(settings):
         raise ValueError(f"{path} was trained with other settings {state['settings']}; use another --work-dir")
     vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
-    if state is None:
-        d2t, t2d = draft_vocabulary(rows, vocab, settings.draft_vocab_size)
-    else:
+    start, started_from = None, state.get("started_from") if state is not None else None
+    if state is not None:
         d2t, t2d = state["d2t"], state["t2d"]
+    elif settings.from_pretrained:
+        start, d2t, t2d, started_from = pretrained_head(Path(settings.from_pretrained), settings)
+    else:
+        d2t, t2d = draft_vocabulary(rows, vocab, settings.draft_vocab_size)
     head = build_head(target_dir, settings, d2t, t2d)
     trainable = [p for p in head.parameters() if p.requires_grad]
+    trainable_names = {n for n, p in head.named_parameters() if p.requires_grad}
+    if start is not None:
+        _load_pretrained(head, start, trainable_names, settings.from_pretrained)
     opt = torch.optim.AdamW(trainable, lr=settings.lr)
     step, cursor, seen, seconds = 0, 0, 0, 0.0
     if state is not None:
@@ -296,15 +345,13 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
     log = list(state["log"]) if state is not None else []
     bar = tqdm(total=settings.tokens, initial=seen, desc="train head", unit="tok", unit_scale=True, disable=not progress)
 
-    trainable_names = {n for n, p in head.named_parameters() if p.requires_grad}
-
     def save():
         tmp = path.with_suffix(".tmp")
         torch.save({"settings": asdict(settings), "step": step, "cursor": cursor, "tokens_seen": seen,
                     "seconds": round(seconds + time.monotonic() - started, 1),
                     "feature_seconds": feature_seconds, "d2t": d2t,
                     "t2d": t2d, "model": {k: v for k, v in head.state_dict().items() if k in trainable_names},
-                    "optimizer": opt.state_dict(), "log": log}, tmp)
+                    "optimizer": opt.state_dict(), "log": log, "started_from": started_from}, tmp)
         tmp.replace(path)
 
     head.train()
@@ -366,5 +413,7 @@ def export(settings: HeadSettings, target_dir: Path, ckpt_dir: Path, out_dir: Pa
     training = {"settings": {**_DEFAULTS, **state["settings"]}, "steps": state["step"], "tokens_seen": state["tokens_seen"],
                 "train_seconds": state["seconds"], "feature_seconds": state.get("feature_seconds"),
                 "last_log_rows": state["log"][-10:]}
+    if state.get("started_from") is not None:  # the training.json of the head it started from
+        training["started_from"] = state["started_from"]
     (out_dir / "training.json").write_text(json.dumps(training, indent=1) + "\n")
     return out_dir

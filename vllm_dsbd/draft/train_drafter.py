@@ -67,7 +67,8 @@ def checkpoint_name(args: argparse.Namespace, target_layers: int) -> str:
     return (f"head-{args.pair}-seed{args.seed}-v{args.draft_vocab_size}-ttt{args.ttt_steps}-tok{args.tokens}"
             + (f"-layers{args.head_layers}" if args.head_layers != 1 else "")
             + aux_tag(args.aux_layers, target_layers) + ("-fcnorm" if args.fc_norm else "")
-            + data_tag(args.teacher_temperature))
+            + data_tag(args.teacher_temperature)
+            + (f"-from-{Path(args.from_pretrained).resolve().name}" if args.from_pretrained else ""))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target layers whose states the head reads, e.g. 2,15,30 (default: vLLM's (2, L//2, L-3))")
     p.add_argument("--fc-norm", action="store_true",
                    help="normalise each aux state (RMSNorm) before the head's fc; its own checkpoint")
+    p.add_argument("--from-pretrained", default=None,
+                   help="an exported head (train-drafter --out) to start from: its weights and draft vocabulary; "
+                        "the other settings must be its own; its own checkpoint")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
@@ -115,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     settings = eagle3_head.HeadSettings(
         aux_ids=aux_ids, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
         lr=args.lr, batch_tokens=args.batch_tokens, tokens=args.tokens, seed=args.seed, num_layers=args.head_layers,
-        teacher_temperature=args.teacher_temperature, fc_norm=args.fc_norm)
+        teacher_temperature=args.teacher_temperature, fc_norm=args.fc_norm,
+        from_pretrained=str(Path(args.from_pretrained).resolve()) if args.from_pretrained else "")
     ckpt = work / checkpoint_name(args, layers)
     if args.stage in ("all", "teach"):
         with tqdm(total=args.teach_tokens or args.tokens, desc="teacher", unit="tok", unit_scale=True) as bar:
