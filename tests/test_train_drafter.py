@@ -233,6 +233,26 @@ def test_train_drafter_refuses_a_bad_value_naming_the_flag_and_what_is_allowed(f
     assert f"{flag}: {value!r} is invalid; allowed: {allowed}" in capsys.readouterr().err
 
 
+def test_a_refused_run_or_an_unprepared_pair_is_one_error_line_not_a_traceback(tmp_path, capsys):
+    from vllm_dsbd import cli, pairs
+
+    pairs.prepare()  # the default pair, so that only the refusal stops the run
+
+    data = tmp_path / "teacher-default-seed0"
+    assert cli.main(["train-drafter", "--out", str(tmp_path / "head"), "--stage", "train",
+                     "--work-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: no teacher shards in {data}: run the 'teach' stage first\n"
+    assert cli.main(["eval-head", "--head", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"error: --head {tmp_path}: no config.json; allowed: a head train-drafter "
+                                       "exported (speculators format)\n")
+    assert cli.main(["eval-head", "--head", str(tmp_path), "--cache-dir", str(tmp_path / "empty")]) == 2
+    assert capsys.readouterr().err.startswith("error: The default pair is not prepared")
+    for command in (["train-drafter", "--out", "unused"], ["eval-head", "--head", "unused"]):
+        with pytest.raises(SystemExit):
+            cli.main([*command, "--pair", "nope"])
+        assert "--pair: invalid choice: 'nope' (choose from" in capsys.readouterr().err
+
+
 def test_greedy_teacher_data_and_its_heads_live_apart_from_sampled_ones():
     """``--teacher-temperature 0``: its own teacher folder and checkpoint names; T 1 keeps the older names."""
     from vllm_dsbd.draft import train_drafter

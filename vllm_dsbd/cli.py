@@ -31,14 +31,20 @@ def _cmd_models_verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _reporting(run, args: argparse.Namespace, refusals: tuple[type[Exception], ...] = ()) -> int:
+    """``run(args)``, with a pair that is not prepared, or one of ``refusals`` (a run refused before its work,
+    naming the flag and what is allowed), printed as one error line (exit status 2) rather than a traceback."""
+    try:
+        return run(args)
+    except (models.ModelUnavailableError, *refusals) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from vllm_dsbd.demo import run_demo
 
-    try:
-        return run_demo(args)
-    except models.ModelUnavailableError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return _reporting(run_demo, args)
 
 
 def _cmd_distill_draft(args: argparse.Namespace) -> int:
@@ -54,15 +60,15 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval_head(args: argparse.Namespace) -> int:
-    from vllm_dsbd.draft import eval_head
+    from vllm_dsbd.draft import eagle3_head, eval_head
 
-    return eval_head.run(args)
+    return _reporting(eval_head.run, args, (eagle3_head.Refused,))
 
 
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
-    from vllm_dsbd.draft import train_drafter
+    from vllm_dsbd.draft import eagle3_head, train_drafter
 
-    return train_drafter.run(args)
+    return _reporting(train_drafter.run, args, (eagle3_head.Refused,))
 
 
 def _cmd_dtype(args: argparse.Namespace) -> int:
@@ -127,12 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     td = sub.add_parser("train-drafter", help="train an EAGLE-3 head for a pair's target (speculators format)")
     train_drafter.add_arguments(td)
+    _add_pair_argument(td)
     td.set_defaults(func=_cmd_train_drafter)
 
     from vllm_dsbd.draft import eval_head
 
     eh = sub.add_parser("eval-head", help="per-depth agreement of an EAGLE-3 head with its target (writes eval.json)")
     eval_head.add_arguments(eh)
+    _add_pair_argument(eh)
     eh.set_defaults(func=_cmd_eval_head)
     return parser
 

@@ -38,6 +38,11 @@ ATTENTION = "sdpa"
 CHECKPOINT = "head-checkpoint.pt"
 
 
+class Refused(ValueError):
+    """A run or a head refused before any work: the message names the flag or folder and what is allowed
+    (``vllm-dsbd train-drafter`` and ``eval-head`` print it as one error line)."""
+
+
 @dataclass(frozen=True)
 class HeadSettings:
     """What shapes a training run; a resumed run must have the same."""
@@ -88,20 +93,26 @@ def draft_vocabulary(rows: list[dict], vocab_size: int, size: int) -> tuple[torc
     return build_vocab_mappings_from_distribution(freq, size, vocab_size)
 
 
+def head_config(head_dir: Path, flag: str) -> dict:
+    """The config of the head ``flag`` names, refused unless an EAGLE-3 head in speculators format."""
+    try:
+        config = json.loads((Path(head_dir) / "config.json").read_text())
+    except FileNotFoundError:
+        raise Refused(f"{flag} {head_dir}: no config.json; allowed: a head train-drafter exported "
+                      "(speculators format)") from None
+    if config.get("speculators_model_type") != "eagle3":
+        raise Refused(f"{flag} {head_dir}: not an EAGLE-3 head in speculators format "
+                      f"(speculators_model_type {config.get('speculators_model_type')!r})")
+    return config
+
+
 def pretrained_head(head_dir: Path, settings: HeadSettings) -> tuple[dict, torch.Tensor, torch.Tensor, dict]:
     """(weights, d2t, t2d, its training.json) of an exported head to start a run from (speculators'
     ``--from-pretrained``), refused naming each setting of ``settings`` it was not built with."""
     from safetensors.torch import load_file
 
     head_dir = Path(head_dir)
-    try:
-        config = json.loads((head_dir / "config.json").read_text())
-    except FileNotFoundError:
-        raise ValueError(f"--from-pretrained {head_dir}: no config.json; allowed: a head train-drafter exported "
-                         "(speculators format)") from None
-    if config.get("speculators_model_type") != "eagle3":
-        raise ValueError(f"--from-pretrained {head_dir}: not an EAGLE-3 head in speculators format "
-                         f"(speculators_model_type {config.get('speculators_model_type')!r})")
+    config = head_config(head_dir, "--from-pretrained")
     has = {"--aux-layers": tuple(sorted(config["eagle_aux_hidden_state_layer_ids"])),
            "--draft-vocab-size": config["draft_vocab_size"],
            "--head-layers": config["transformer_layer_config"]["num_hidden_layers"],
@@ -110,7 +121,7 @@ def pretrained_head(head_dir: Path, settings: HeadSettings) -> tuple[dict, torch
              "--head-layers": settings.num_layers, "--fc-norm": settings.fc_norm}
     wrong = [f"{k} is {asked[k]} but the head has {has[k]}" for k in has if has[k] != asked[k]]
     if wrong:
-        raise ValueError(f"--from-pretrained {head_dir}: " + "; ".join(wrong) + " (train with the head's settings)")
+        raise Refused(f"--from-pretrained {head_dir}: " + "; ".join(wrong) + " (train with the head's settings)")
     weights = load_file(str(head_dir / "model.safetensors"))
     d2t, t2d = weights.pop("d2t"), weights.pop("t2d")
     training = head_dir / "training.json"
@@ -125,8 +136,8 @@ def _load_pretrained(head, weights: dict, names: set[str], head_dir: str) -> Non
     shapes = [f"{k} {tuple(weights[k].shape)} (this target: {tuple(own[k].shape)})"
               for k in sorted(names & weights.keys()) if weights[k].shape != own[k].shape]
     if missing or shapes:
-        raise ValueError(f"--from-pretrained {head_dir} does not fit this target's head: "
-                         + "; ".join(([f"no {', '.join(missing)}"] if missing else []) + shapes))
+        raise Refused(f"--from-pretrained {head_dir} does not fit this target's head: "
+                      + "; ".join(([f"no {', '.join(missing)}"] if missing else []) + shapes))
     head.load_state_dict({k: weights[k] for k in names}, strict=False)
 
 
@@ -289,7 +300,7 @@ def training_rows(data_dir: Path, max_len: int) -> list[dict]:
     """Every (prompt, answer) row of the teacher shards in ``data_dir``, in shard order, cut to ``max_len``."""
     rows = [r for i in range(teacher.num_shards(data_dir)) for r in _shard_rows(data_dir, i, max_len)]
     if not rows:
-        raise ValueError(f"no teacher shards in {data_dir}: run the 'teach' stage first")
+        raise Refused(f"no teacher shards in {data_dir}: run the 'teach' stage first")
     return rows
 
 
@@ -315,11 +326,11 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
     stored = store_features(target_dir, data_dir, settings.aux_ids, settings.max_len, progress)
     row_features, feature_seconds = stored_features(stored, teacher.num_shards(data_dir))
     if [len(r["ids"]) for r in rows] != [len(aux) for aux, _ in row_features]:
-        raise ValueError(f"the stored features in {stored} do not match the teacher rows in {data_dir}; "
-                         "delete that folder to compute them again")
+        raise Refused(f"the stored features in {stored} do not match the teacher rows in {data_dir}; "
+                      "delete that folder to compute them again")
     state = torch.load(path, weights_only=False) if path.exists() else None
     if state is not None and {**_DEFAULTS, **state["settings"]} != asdict(settings):
-        raise ValueError(f"{path} was trained with other settings {state['settings']}; use another --work-dir")
+        raise Refused(f"{path} was trained with other settings {state['settings']}; use another --work-dir")
     vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
     start, started_from = None, state.get("started_from") if state is not None else None
     if state is not None:

@@ -25,7 +25,6 @@ from vllm_dsbd.draft.prompts import EVAL_PROMPTS
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", required=True, help="the head (speculators format, as train-drafter writes)")
-    p.add_argument("--pair", default="default", help="the pair whose target the head drafts for")
     p.add_argument("--out", default=None, help="result file (default: eval.json in --head)")
     p.add_argument("--depth", type=int, default=4, help="longest draft chain measured")
     p.add_argument("--num-prompts", type=int, default=len(EVAL_PROMPTS))
@@ -40,7 +39,7 @@ def load_head(head_dir: Path, target_dir: Path):
     from safetensors.torch import load_file
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    from vllm_dsbd.draft.eagle3_head import ATTENTION
+    from vllm_dsbd.draft.eagle3_head import ATTENTION, Refused
 
     config = Eagle3SpeculatorConfig.from_pretrained(head_dir)
     config.transformer_layer_config._attn_implementation = ATTENTION
@@ -52,7 +51,7 @@ def load_head(head_dir: Path, target_dir: Path):
     unexpected = head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()},
                                       strict=False).unexpected_keys
     if unexpected:
-        raise ValueError(f"{head_dir}: weights the head does not have: {sorted(unexpected)}")
+        raise Refused(f"{head_dir}: weights the head does not have: {sorted(unexpected)}")
     return head.float().eval()
 
 
@@ -89,14 +88,14 @@ def chain_agreement(head, features, seqs: list[tuple[list[int], list[int]]], dep
 def run(args: argparse.Namespace) -> int:
     from vllm_dsbd import pairs
     from vllm_dsbd.draft import distill
-    from vllm_dsbd.draft.eagle3_head import TargetFeatures
+    from vllm_dsbd.draft.eagle3_head import TargetFeatures, head_config
     from vllm_dsbd.draft.evaluate import sample_held_out
 
     if args.threads:
         torch.set_num_threads(args.threads)
     head_dir = Path(args.head)
     target_dir = Path(pairs.pair_paths(args.pair, args.cache_dir).target)
-    config = json.loads((head_dir / "config.json").read_text())
+    config = head_config(head_dir, "--head")
     t0 = time.time()
     prompts = list(EVAL_PROMPTS[: args.num_prompts])
     seqs = sample_held_out(target_dir, prompts, max_new_tokens=args.max_new_tokens, seed=0, temperature=0.0)

@@ -72,7 +72,6 @@ def checkpoint_name(args: argparse.Namespace, target_layers: int) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pair", default="default", help="the pair whose target the head drafts for")
     p.add_argument("--out", required=True, help="folder for the head (speculators format)")
     p.add_argument("--work-dir", default=None, help="teacher data and checkpoints (default: the model cache)")
     p.add_argument("--stage", choices=("all", "teach", "train", "export"), default="all")
