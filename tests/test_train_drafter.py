@@ -253,6 +253,23 @@ def test_a_refused_run_or_an_unprepared_pair_is_one_error_line_not_a_traceback(t
         assert "--pair: invalid choice: 'nope' (choose from" in capsys.readouterr().err
 
 
+def test_device_is_refused_naming_the_devices_this_machine_has(monkeypatch, capsys):
+    from vllm_dsbd import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert eagle3_head.training_device("cpu") == "cpu"
+    assert cli.main(["train-drafter", "--out", "unused", "--stage", "train", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == ("error: --device cuda: not a device torch can train on here; allowed: cpu "
+                                       "(no CUDA device found)\n")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [eagle3_head.training_device(d) for d in ("cuda", "cuda:1")] == ["cuda", "cuda:1"]
+    for bad in ("cuda:2", "gpu", "mps"):
+        with pytest.raises(eagle3_head.Refused, match=rf"--device {bad}: .*; allowed: cpu, cuda, cuda:0, cuda:1$"):
+            eagle3_head.training_device(bad)
+
+
 def test_greedy_teacher_data_and_its_heads_live_apart_from_sampled_ones():
     """``--teacher-temperature 0``: its own teacher folder and checkpoint names; T 1 keeps the older names."""
     from vllm_dsbd.draft import train_drafter

@@ -180,11 +180,12 @@ class TargetFeatures:
     """The target's aux hidden states (vLLM's ids: id i is the residual stream entering layer i, id L the last
     layer's output before the final norm) and its last pre-norm state, from Hugging Face transformers."""
 
-    def __init__(self, target_dir: Path, aux_ids: tuple[int, ...]):
+    def __init__(self, target_dir: Path, aux_ids: tuple[int, ...], device: str = "cpu"):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
         self.aux_ids = tuple(sorted(set(aux_ids)))  # vLLM exports them in ascending order
+        self.device = torch.device(device)
 
     @torch.no_grad()
     def __call__(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +194,7 @@ class TargetFeatures:
         hook = layers[-1].register_forward_hook(lambda m, i, o: captured.setdefault("last", o[0] if isinstance(o, tuple)
                                                                                     else o))
         try:  # the base model: no logits over the whole vocabulary
-            out = self.model.model(torch.tensor([ids]), output_hidden_states=True)
+            out = self.model.model(torch.tensor([ids], device=self.device), output_hidden_states=True)
         finally:
             hook.remove()
         last = captured["last"][0]
@@ -223,7 +224,7 @@ def _shard_rows(data_dir: Path, index: int, max_len: int) -> list[dict]:
 
 
 def store_features(target_dir: Path, data_dir: Path, aux_ids: tuple[int, ...], max_len: int,
-                   progress: bool = True) -> Path:
+                   progress: bool = True, device: str = "cpu") -> Path:
     """The target's features of every teacher row, computed once: one file per teacher shard (``aux`` and
     ``last`` of all its rows, concatenated, in ``FEATURE_DTYPE``), so a stopped run resumes at the next shard
     and shards the teacher adds later are computed when training next starts."""
@@ -239,13 +240,13 @@ def store_features(target_dir: Path, data_dir: Path, aux_ids: tuple[int, ...], m
     for i in tqdm(todo, desc="target features", unit="shard", disable=not progress):
         shard = _derived_features(data_dir, out, i, aux_ids, layers)
         if shard is None:
-            features = features or TargetFeatures(target_dir, aux_ids)
+            features = features or TargetFeatures(target_dir, aux_ids, device)
             started = time.monotonic()
             rows = _shard_rows(data_dir, i, max_len)
             pieces = [features(r["ids"]) for r in rows]
             shard = {"lengths": [len(r["ids"]) for r in rows],
-                     "aux": torch.cat([a for a, _ in pieces]).to(FEATURE_DTYPE),
-                     "last": torch.cat([b for _, b in pieces]).to(FEATURE_DTYPE),
+                     "aux": torch.cat([a for a, _ in pieces]).to("cpu", FEATURE_DTYPE),
+                     "last": torch.cat([b for _, b in pieces]).to("cpu", FEATURE_DTYPE),
                      "seconds": round(time.monotonic() - started, 1)}
         tmp = _feature_path(out, i).with_suffix(".tmp")  # written whole or not at all: a stop resumes here
         torch.save(shard, tmp)
@@ -311,8 +312,18 @@ def _lr(settings: HeadSettings, step: int, total: int) -> float:
     return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def training_device(name: str) -> str:
+    """``--device``, refused naming the devices this machine has unless torch can train on it."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    allowed = ["cpu", *(["cuda", *(f"cuda:{i}" for i in range(gpus))] if gpus else [])]
+    if name not in allowed:
+        raise Refused(f"--device {name}: not a device torch can train on here; allowed: {', '.join(allowed)}"
+                      + ("" if gpus else " (no CUDA device found)"))
+    return name
+
+
 def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Path, stop_after: int | None = None,
-          progress: bool = True) -> dict:
+          progress: bool = True, device: str = "cpu") -> dict:
     """Train (or resume) until ``settings.tokens`` answer tokens (``stop_after``: at most that many optimiser steps
     in this call); a checkpoint every 10 steps and at the end. Returns the final checkpoint. Each step's log row
     has its token-weighted loss and the mean first-to-last unrolled step top-1 accuracy."""
@@ -323,12 +334,12 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / CHECKPOINT
     rows = training_rows(data_dir, settings.max_len)
-    stored = store_features(target_dir, data_dir, settings.aux_ids, settings.max_len, progress)
+    stored = store_features(target_dir, data_dir, settings.aux_ids, settings.max_len, progress, device)
     row_features, feature_seconds = stored_features(stored, teacher.num_shards(data_dir))
     if [len(r["ids"]) for r in rows] != [len(aux) for aux, _ in row_features]:
         raise Refused(f"the stored features in {stored} do not match the teacher rows in {data_dir}; "
                       "delete that folder to compute them again")
-    state = torch.load(path, weights_only=False) if path.exists() else None
+    state = load_checkpoint(ckpt_dir) if path.exists() else None
     if state is not None and {**_DEFAULTS, **state["settings"]} != asdict(settings):
         raise Refused(f"{path} was trained with other settings {state['settings']}; use another --work-dir")
     vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
@@ -344,6 +355,7 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
     trainable_names = {n for n, p in head.named_parameters() if p.requires_grad}
     if start is not None:
         _load_pretrained(head, start, trainable_names, settings.from_pretrained)
+    head.to(device)
     opt = torch.optim.AdamW(trainable, lr=settings.lr)
     step, cursor, seen, seconds = 0, 0, 0, 0.0
     if state is not None:
@@ -361,7 +373,7 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
         torch.save({"settings": asdict(settings), "step": step, "cursor": cursor, "tokens_seen": seen,
                     "seconds": round(seconds + time.monotonic() - started, 1),
                     "feature_seconds": feature_seconds, "d2t": d2t,
-                    "t2d": t2d, "model": {k: v for k, v in head.state_dict().items() if k in trainable_names},
+                    "t2d": t2d, "model": {k: v.cpu() for k, v in head.state_dict().items() if k in trainable_names},
                     "optimizer": opt.state_dict(), "log": log, "started_from": started_from}, tmp)
         tmp.replace(path)
 
@@ -380,9 +392,10 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
         opt.zero_grad()
         sums, batch_loss = torch.zeros(settings.ttt_steps), 0.0
         for index, r in batch:
-            aux, last = (f.float() for f in row_features[index])
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
-                _, loss, metrics = head(**example(r["ids"], r["prompt_len"], aux, last), ttt_steps=settings.ttt_steps,
+            aux, last = (f.to(device, torch.float32) for f in row_features[index])
+            inputs = {k: v.to(device) for k, v in example(r["ids"], r["prompt_len"], aux, last).items()}
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=settings.bf16):
+                _, loss, metrics = head(**inputs, ttt_steps=settings.ttt_steps,
                                         ttt_step_loss_decay=0.8, loss_config=loss_config)
             weighted = loss * (len(r["ids"]) - r["prompt_len"]) / batch_tokens
             weighted.backward()
@@ -400,14 +413,19 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
             save()
     save()
     bar.close()
-    return torch.load(path, weights_only=False)
+    return load_checkpoint(ckpt_dir)
+
+
+def load_checkpoint(ckpt_dir: Path) -> dict:
+    """A run's checkpoint, its tensors on the CPU whichever device trained it (``train``'s ``device``)."""
+    return torch.load(Path(ckpt_dir) / CHECKPOINT, map_location="cpu", weights_only=False)
 
 
 def export(settings: HeadSettings, target_dir: Path, ckpt_dir: Path, out_dir: Path, verifier_name: str | None = None,
            dtype: torch.dtype = torch.bfloat16) -> Path:
     """The trained head in speculators' format, without the target's embeddings (vLLM shares them), and
     ``training.json`` (settings, tokens, steps, training seconds, the last log rows)."""
-    state = torch.load(Path(ckpt_dir) / CHECKPOINT, weights_only=False)
+    state = load_checkpoint(ckpt_dir)
     head = build_head(target_dir, settings, state["d2t"], state["t2d"])
     head.load_state_dict(state["model"], strict=False)
     if verifier_name:

@@ -94,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default="cpu",
+                   help="torch device of the train stage (target features and the head), e.g. cuda; "
+                        "the teach stage runs on vLLM's platform")
     p.add_argument("--stop-after", type=int, default=None, help="optimiser steps to run, then stop (resumable)")
     p.add_argument("--cache-dir", default=None)
 
@@ -107,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     from vllm_dsbd import models, pairs
     from vllm_dsbd.draft import eagle3_head, teacher
 
+    device = eagle3_head.training_device(args.device)  # before any work
     if args.threads:
         torch.set_num_threads(args.threads)
     target = Path(pairs.pair_paths(args.pair, args.cache_dir).target)
@@ -128,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                                         progress=bar)
         print(f"teacher data: {n} shards in {data}")
     if args.stage in ("all", "train"):
-        state = eagle3_head.train(settings, target, data, ckpt, stop_after=args.stop_after)
+        state = eagle3_head.train(settings, target, data, ckpt, stop_after=args.stop_after, device=device)
         print(f"head checkpoint: step {state['step']}, {state['tokens_seen']} tokens, in {ckpt}")
     if args.stage in ("all", "export"):
         out = eagle3_head.export(settings, target, ckpt, Path(args.out), verifier_name=target.name)
