@@ -39,8 +39,8 @@ CHECKPOINT = "head-checkpoint.pt"
 
 
 class Refused(ValueError):
-    """A run or a head refused before any work: the message names the flag or folder and what is allowed
-    (``vllm-dsbd train-drafter`` and ``eval-head`` print it as one error line)."""
+    """A run or a head refused before it trains or measures: the message names the flag or folder and what is
+    allowed or what to do (``vllm-dsbd train-drafter`` and ``eval-head`` print it as one error line)."""
 
 
 @dataclass(frozen=True)
