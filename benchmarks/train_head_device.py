@@ -41,6 +41,8 @@ RECORDS = Path(__file__).parent / "results" / "head-ab"
 
 
 def random_target(out: Path, shape: dict, seed: int = 0) -> Path:
+    """A random-weight Llama of ``shape``, without a tokenizer: ``models.build_tiny_llama`` needs the SmolLM2
+    tokenizer from its registry package, which a bare GPU machine lacks, and training reads only ids."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -55,7 +57,8 @@ def random_target(out: Path, shape: dict, seed: int = 0) -> Path:
 
 
 def fake_shards(data_dir: Path, shards: int, rows: int, prompt_len: int, answer_len: int, vocab: int) -> Path:
-    """Teacher shards of random rows (answers from the lowest ids, so a draft vocabulary covers them)."""
+    """Teacher shards of random rows (answers from the lowest ids, so a draft vocabulary covers them); the tests'
+    ``fake_teacher_shards`` with row lengths and vocabulary as arguments (shipped code does not import tests/)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
     for s in range(shards):
