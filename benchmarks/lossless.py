@@ -3,8 +3,9 @@
     .venv/bin/python -m benchmarks.lossless                                  # default pair, float32 and bf16
     .venv/bin/python -m benchmarks.lossless --pair qwen2.5-coder --dtypes bfloat16 --out /tmp/lossless-qwen
 
-For each dtype one DSBD engine drafting with the pair's draft runs, on the same
-chat prompts (``benchmarks/prompts/prompts.json``, then the draft's held-out
+For each dtype one DSBD engine drafting with the pair's draft (or ``--draft``:
+a draft model or an EAGLE-3 head) runs, on the same chat prompts
+(``benchmarks/prompts/prompts.json``, then the draft's held-out
 ``EVAL_PROMPTS``), all prompts as one batch per width: in-engine beam search
 (``num_speculative_tokens`` 0 per request: no draft) and DSBD beam search (γ
 ``--gamma``), both at temperature 0 with every beam returned. In float32 the
@@ -14,8 +15,9 @@ verify forward computes a node's logits with other shapes than a beam step
 logits (about 3 significant digits) can flip two hypotheses whose scores are
 that close. The script counts outputs that differ (the best beam; any of the W
 beams) and, for each, the first position where the best beams part and both
-runs' scores of their best beams: a difference of the size of bf16 rounding is
-a near-tie, not a lost hypothesis.
+runs' scores of their best beams (cumulative log-probabilities: both runs ask
+for logprobs): a difference of the size of bf16 rounding is a near-tie, not a
+lost hypothesis.
 
 Writes ``lossless.json`` and ``lossless.png`` into ``--out``.
 """
@@ -62,9 +64,10 @@ def compare(prompt_ids: list[str], base, spec) -> dict:
             first = next((i for i, (x, y) in enumerate(zip(b_beams[0], s_beams[0])) if x != y),
                          min(len(b_beams[0]), len(s_beams[0])))
             b_score, s_score = b.outputs[0].cumulative_logprob, s.outputs[0].cumulative_logprob
+            scored = b_score is not None and s_score is not None  # None unless the runs asked for logprobs
             details.append({"prompt": pid, "first_difference_at": first,
                             "best_score_in_engine": b_score, "best_score_dsbd": s_score,
-                            "score_difference": s_score - b_score,
+                            "score_difference": s_score - b_score if scored else None,
                             "dsbd_best_is_an_in_engine_beam": s_beams[0] in b_beams})
     return {"differ_best_beam": len(details), "differ_any_beam": any_beam, "differences": details}
 
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> dict:
     from vllm_dsbd.dtypes import resolve_dtype
 
     paths = pairs.pair_paths(args.pair)
-    target, draft = str(paths.target), str(paths.draft)
+    target, draft = str(paths.target), args.draft or str(paths.draft)
     widths = [int(w) for w in args.widths.split(",")]
     prompts = load_chat_prompts(Path(args.prompts_file), args.num_prompts, AutoTokenizer.from_pretrained(target))
     inputs = [{"prompt_token_ids": ids} for _, ids in prompts]
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> dict:
         for width in widths:
             outs, secs = {}, {}
             for gamma in (0, args.gamma):
-                params = SamplingParams(n=width, temperature=0.0, max_tokens=args.max_tokens,
+                params = SamplingParams(n=width, temperature=0.0, max_tokens=args.max_tokens, logprobs=0,
                                         extra_args={"beam_width": width, "num_speculative_tokens": gamma})
                 start = time.perf_counter()
                 outs[gamma] = llm.generate(inputs, params, use_tqdm=False)
@@ -104,7 +107,8 @@ def run(args: argparse.Namespace) -> dict:
                   f"{row['differ_best_beam']} of {len(inputs)}, any beam in {row['differ_any_beam']}", flush=True)
             for d in row["differences"]:
                 print(f"           {d['prompt']}: from token {d['first_difference_at']}, score "
-                      f"{d['best_score_in_engine']:.4f} in-engine vs {d['best_score_dsbd']:.4f} DSBD", flush=True)
+                      f"{d['best_score_in_engine']} in-engine vs {d['best_score_dsbd']} DSBD "
+                      f"(difference {d['score_difference']})", flush=True)
         llm.llm_engine.engine_core.shutdown()
         del llm
     return {
@@ -146,6 +150,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default="default", help="model pair (vllm-dsbd models prepare --pair NAME)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; auto: the machine's")
+    parser.add_argument("--draft", default=None, help="the draft model or EAGLE-3 head (default: the pair's draft)")
     parser.add_argument("--widths", default="4,8")
     parser.add_argument("--gamma", type=int, default=2, help="DSBD draft layers per iteration")
     parser.add_argument("--num-prompts", type=int, default=60, help="at most 72 (24 benchmark + 48 held-out)")

@@ -263,3 +263,26 @@ def test_the_harness_records_the_dtype_it_picked(tmp_path, monkeypatch):
     assert (auto.dtype, auto.dtype_reason) == (machine_dtype().dtype, machine_dtype().reason)
     assert (explicit.dtype, explicit.dtype_reason) == ("float32", "asked for (--dtype float32)")
     assert dataclasses.asdict(explicit)["dtype"] == "float32"  # run() records asdict(settings) in the result
+
+
+def test_lossless_compare_reports_where_and_by_how_much_the_best_beams_differ():
+    """benchmarks/lossless.py: a differing best beam is reported with its first differing position and the
+    score gap; runs without logprobs (no cumulative log-prob) report the position and no gap, not a crash."""
+    from types import SimpleNamespace as NS
+
+    from benchmarks.lossless import compare
+
+    def out(beams, scores):
+        return NS(outputs=[NS(token_ids=b, cumulative_logprob=s) for b, s in zip(beams, scores)])
+
+    same = out([[1, 2, 3], [1, 2, 4]], [-1.0, -2.0])
+    base = out([[1, 2, 3], [1, 5, 6]], [-1.0, -1.5])
+    spec = out([[1, 5, 6], [1, 2, 3]], [-1.25, -1.0])
+    got = compare(["a", "b"], [same, base], [same, spec])
+    assert (got["differ_best_beam"], got["differ_any_beam"]) == (1, 1)
+    (d,) = got["differences"]
+    assert (d["prompt"], d["first_difference_at"], d["score_difference"]) == ("b", 1, -0.25)
+    assert d["dsbd_best_is_an_in_engine_beam"] is True
+    unscored = compare(["b"], [out([[1, 2, 3]], [None])], [out([[1, 2]], [None])])["differences"][0]
+    assert (unscored["first_difference_at"], unscored["score_difference"]) == (2, None)
+    assert unscored["dsbd_best_is_an_in_engine_beam"] is False

@@ -1,5 +1,6 @@
 """``logprobs = k`` on beam requests: every returned hypothesis carries, at each position, the chosen
-token's raw log-prob and rank and the top-k, equal to what a plain request reports for the same prefix."""
+token's raw log-prob and rank and the top-k, equal to what a plain request reports for the same prefix,
+and a cumulative log-prob that sums the chosen tokens'."""
 
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ def _check_against_plain(llm, plain_llm, params):
                 assert got[token].logprob == pytest.approx(ref[token].logprob, abs=1e-4)  # the chosen token
                 assert got[token].rank == ref[token].rank
                 checked += 1
+            # vLLM sums the chosen tokens' log-probs (benchmarks/lossless.py compares beams by it)
+            assert hyp.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(tokens, hyp.logprobs)),
+                                                           abs=1e-4)
     assert checked >= 2 * params.n * 3
 
 

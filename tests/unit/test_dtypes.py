@@ -55,3 +55,15 @@ def test_the_dtype_option_defaults_to_auto():
     assert parser.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
     with pytest.raises(SystemExit):
         parser.parse_args(["--dtype", "half"])
+
+
+def test_the_demo_calls_a_t0_difference_a_bug_in_float32_and_names_the_rounding_in_bf16():
+    """vllm_dsbd/demo.py: in float32 DSBD and in-engine beam search must agree (a difference is a bug); in
+    bf16 a difference may be rounding of a near-tie (docs/dtype.md), so the demo says so and how to check."""
+    from vllm_dsbd.demo import outputs_verdict
+
+    for dtype in ("float32", "bfloat16"):
+        assert outputs_verdict(True, dtype) == "the same outputs"
+    assert "a bug" in outputs_verdict(False, "float32") and "float32" in outputs_verdict(False, "float32")
+    bf16 = outputs_verdict(False, "bfloat16")
+    assert "bug" not in bf16 and "docs/dtype.md" in bf16 and "--dtype float32" in bf16
