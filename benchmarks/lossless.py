@@ -97,19 +97,19 @@ def run(args: argparse.Namespace) -> dict:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
         llm = LLM(**kwargs)
         for width in widths:
+            def search(gamma: int, w: int = width) -> SamplingParams:  # T 0, every beam, scored (logprobs)
+                return SamplingParams(n=w, temperature=0.0, max_tokens=args.max_tokens, logprobs=0,
+                                      extra_args={"beam_width": w, "num_speculative_tokens": gamma})
+
             outs, secs = {}, {}
             for gamma in (0, args.gamma):
-                params = SamplingParams(n=width, temperature=0.0, max_tokens=args.max_tokens, logprobs=0,
-                                        extra_args={"beam_width": width, "num_speculative_tokens": gamma})
                 start = time.perf_counter()
-                outs[gamma] = llm.generate(inputs, params, use_tqdm=False)
+                outs[gamma] = llm.generate(inputs, search(gamma), use_tqdm=False)
                 secs[gamma] = time.perf_counter() - start
             row = {"dtype": dtype.dtype, "width": width, "gamma": args.gamma, "num_prompts": len(inputs),
                    "in_engine_s": secs[0], "dsbd_s": secs[args.gamma], **compare(ids, outs[0], outs[args.gamma])}
             # The control: the same in-engine beam search, each prompt alone: other shapes, no draft at all.
-            params = SamplingParams(n=width, temperature=0.0, max_tokens=args.max_tokens, logprobs=0,
-                                    extra_args={"beam_width": width, "num_speculative_tokens": 0})
-            solo = [llm.generate([one], params, use_tqdm=False)[0] for one in inputs]
+            solo = [llm.generate([one], search(0), use_tqdm=False)[0] for one in inputs]
             control = compare(ids, outs[0], solo)
             row["control_solo_vs_batch"] = {"differ_best_beam": control["differ_best_beam"],
                                             "differ_any_beam": control["differ_any_beam"]}
