@@ -134,7 +134,8 @@ def _choices(raw: Tensor, parents: Tensor, tokens: Tensor, scores: Tensor, keep:
     parents, tokens, scores = parents[idx], tokens[idx], scores[idx]
     rows = raw[parents]  # [K, V]
     token_lp = rows.gather(1, tokens[:, None])[:, 0]  # [K]
-    ranks = (rows > token_lp[:, None]).sum(-1) + 1
+    # ranks only when log-probs were asked for (a pass over V per choice; 0 otherwise, as token_logprob)
+    ranks = (rows > token_lp[:, None]).sum(-1) + 1 if num_logprobs >= 0 else torch.zeros_like(tokens)
     top_ids = top_lps = None
     if num_logprobs > 0:
         top_lps, top_ids = rows.topk(num_logprobs, dim=-1)

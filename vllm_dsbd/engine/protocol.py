@@ -149,7 +149,7 @@ class TokenLogprob:
     """The raw (untempered) log-prob of a chosen token under its parent, as vLLM reports logprobs."""
 
     logprob: float
-    rank: int  # 1 = the parent's most likely token
+    rank: int  # 1 = the parent's most likely token; 0 when the request asked for no log-probs (not computed)
     top_ids: tuple[int, ...] = ()  # top-k tokens of the parent (k = GroupStep.num_logprobs)
     top_logprobs: tuple[float, ...] = ()
 

@@ -328,9 +328,10 @@ def _path_logprobs(raw: Tensor | _RawLogprobs, parent_node: int, token: int, vs:
 
 
 def token_logprob(row: Tensor, token: int, num_logprobs: int) -> TokenLogprob:
-    """``token``'s entry of a raw log-prob row [V], with its rank and, for ``num_logprobs`` > 0, the top-k."""
+    """``token``'s entry of a raw log-prob row [V], with its rank when log-probs were asked for
+    (``num_logprobs`` >= 0; a pass over V, else 0) and, for ``num_logprobs`` > 0, the top-k."""
     lp = float(row[token])
-    rank = int((row > row[token]).sum()) + 1
+    rank = int((row > row[token]).sum()) + 1 if num_logprobs >= 0 else 0
     top = ((), ())
     if num_logprobs > 0:
         vals, ids = row.topk(num_logprobs)
