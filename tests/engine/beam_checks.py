@@ -133,3 +133,33 @@ def assert_kv_freed_after_finish_and_abort(llm, finished_params, aborted_params,
     # A plain request afterwards runs the engine past the aborts; its stats come after its own free.
     llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1), use_tqdm=False)
     assert engine_metric(llm, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def recording_policy(llm, draft_seconds: float, target_seconds: float, batches: list | None = None):
+    """A fresh depth policy in the in-process engine with fixed step costs (whatever the step's size);
+    returns the list the γ chosen at each iteration start (not the admissions' look-aheads) goes to.
+    ``batches``: gets the batch each choice saw, look-aheads included. ``policy.in_step_choices``: how many
+    choices were made for drafting inside a verify step."""
+    from vllm_dsbd.algorithm.depth import DepthPolicy
+
+    policy = DepthPolicy()
+    for tokens in (4, 32):
+        policy.draft.observe(tokens, draft_seconds)
+        policy.target.observe(tokens, target_seconds)
+    policy.observe_step = lambda *args: None  # keep those costs
+    policy.in_step_choices = 0
+    chosen = []
+    choose = policy.choose
+
+    def record(*args, **kw):
+        depth = choose(*args, **kw)
+        if batches is not None:
+            batches.append(kw["batch"])
+        if kw.get("probe", True):
+            chosen.append(depth)
+        policy.in_step_choices += bool(kw.get("in_step"))
+        return depth
+
+    policy.choose = record
+    llm.llm_engine.engine_core.engine_core.scheduler._depth = policy
+    return chosen

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from beam_checks import (  # tests/engine/beam_checks.py
     PROMPTS, assert_distributed_as_beam_sampling, assert_kv_freed_after_finish_and_abort, beam_search,
-    engine_metric, start_spec_llm)
+    engine_metric, recording_policy, start_spec_llm)
 
 pytestmark = pytest.mark.engine
 
@@ -47,10 +47,10 @@ def test_auto_depth_weighs_the_batch_a_draft_that_pays_alone_steps_aside_among_e
     """Draft steps cost 0.2 s, target steps 1 s: with the prior α 0.5 one layer pays for a group alone
     (1.5 tokens for 1.2 s), but among 8 groups its draft step would stall the 7 others (8.5 tokens for
     1.2 s against 8 for 1 s), so every iteration of the batch gets depth 0."""
-    alone = _recording_policy(inproc_spec_llm, 0.2, 1.0)
+    alone = recording_policy(inproc_spec_llm, 0.2, 1.0)
     inproc_spec_llm.generate(PROMPTS[:1], _auto_request(2, 6, ignore_eos=True), use_tqdm=False)
     assert alone and alone[0] >= 1, alone
-    crowd = _recording_policy(inproc_spec_llm, 0.2, 1.0)
+    crowd = recording_policy(inproc_spec_llm, 0.2, 1.0)
     prompts = (PROMPTS * 8)[:8]
     inproc_spec_llm.generate(prompts, _auto_request(2, 6, ignore_eos=True), use_tqdm=False)
     assert len(crowd) >= 8 * 4 and set(crowd) == {0}, crowd
@@ -63,7 +63,7 @@ def test_auto_depth_sees_a_group_alone_when_the_group_before_it_has_ended(inproc
     from vllm_dsbd.algorithm.depth import ALONE
 
     batches = []
-    _recording_policy(inproc_spec_llm, 0.2, 1.0, batches)
+    recording_policy(inproc_spec_llm, 0.2, 1.0, batches)
     for prompt in PROMPTS[:2]:
         inproc_spec_llm.generate([prompt], _auto_request(2, 4, ignore_eos=True), use_tqdm=False)
     assert len(batches) >= 4 and set(batches) == {ALONE}, batches
@@ -74,7 +74,7 @@ def test_auto_depth_is_lossless_at_every_depth_it_chooses(inproc_spec_llm, tiny_
     the choice. Here the engine's depth policy is told that draft steps cost almost nothing, so it
     speculates at full depth while its acceptance estimate is high, then falls back to depth 0 (probing now
     and then) as the unrelated draft fails: mixed depths, still vLLM's beam search token for token."""
-    chosen = _recording_policy(inproc_spec_llm, 1e-4, 1.0)  # draft steps 0.1 ms, target steps 1 s
+    chosen = recording_policy(inproc_spec_llm, 1e-4, 1.0)  # draft steps 0.1 ms, target steps 1 s
     before = engine_metric(inproc_spec_llm, "vllm:dsbd_draft_layers")
     for width in (2, 4):
         want = beam_search(tiny_eos_llm, PROMPTS, width, 10)
@@ -82,33 +82,6 @@ def test_auto_depth_is_lossless_at_every_depth_it_chooses(inproc_spec_llm, tiny_
         _assert_same_as_beam_search(want, got)
     assert engine_metric(inproc_spec_llm, "vllm:dsbd_draft_layers") > before  # speculation happened
     assert 3 in chosen and 0 in chosen, chosen
-
-
-def _recording_policy(llm, draft_seconds: float, target_seconds: float, batches: list | None = None):
-    """A fresh depth policy in the in-process engine with fixed step costs (whatever the step's size);
-    returns the list the γ chosen at each iteration start (not the admissions' look-aheads) goes to.
-    ``batches``: gets the batch each choice saw, look-aheads included."""
-    from vllm_dsbd.algorithm.depth import DepthPolicy
-
-    policy = DepthPolicy()
-    for tokens in (4, 32):
-        policy.draft.observe(tokens, draft_seconds)
-        policy.target.observe(tokens, target_seconds)
-    policy.observe_step = lambda *args: None  # keep those costs
-    chosen = []
-    choose = policy.choose
-
-    def record(*args, **kw):
-        depth = choose(*args, **kw)
-        if batches is not None:
-            batches.append(kw["batch"])
-        if kw.get("probe", True):
-            chosen.append(depth)
-        return depth
-
-    policy.choose = record
-    llm.llm_engine.engine_core.engine_core.scheduler._depth = policy
-    return chosen
 
 
 @pytest.mark.model

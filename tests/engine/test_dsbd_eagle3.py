@@ -16,7 +16,7 @@ import pytest
 import torch
 from beam_checks import (  # tests/engine/beam_checks.py
     PROMPTS, assert_distributed_as_beam_sampling, assert_kv_freed_after_finish_and_abort, beam_search, engine_metric,
-    start_spec_llm)
+    recording_policy, start_spec_llm)
 
 pytestmark = pytest.mark.engine
 
@@ -289,6 +289,13 @@ def in_step_llm(engine_pool, tiny_eos_target, heads):
                                                                  knobs={"draft_in_step": True}))
 
 
+@pytest.fixture
+def inproc_in_step_llm(engine_pool, tiny_eos_target, heads):
+    """As ``in_step_llm``, its engine core in this process, so a test can set its depth policy."""
+    return engine_pool.get("inproc_in_step_llm", lambda: start_spec_llm(
+        tiny_eos_target, heads["speculators"], {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, knobs={"draft_in_step": True}))
+
+
 def _steps(llm) -> dict[str, int]:
     return {kind: int(p["steps"]) for kind, p in llm.collective_rpc("dsbd_step_profile")[0].items()}
 
@@ -315,6 +322,23 @@ def test_only_a_requests_first_iteration_takes_draft_steps_when_drafting_inside_
 def test_drafting_inside_the_verify_step_equals_beam_search_with_eos(in_step_llm, tiny_eos_llm, width, gamma):
     want = beam_search(tiny_eos_llm, PROMPTS, width, 10)
     _assert_same_search(want, in_step_llm.generate(PROMPTS, _beams(width, gamma, 10), use_tqdm=False))
+
+
+def test_auto_depth_chooses_one_iteration_ahead_and_drafts_inside_the_verify_step(inproc_in_step_llm, tiny_eos_llm):
+    """auto_depth on an engine that drafts inside the verify step: each later iteration's γ is chosen as the
+    verify step before it is planned, and its layers are drawn in that step (the runner's timings of it feed
+    the policy's cost of in-step drafting). Draft steps are made to look free, so the policy speculates while
+    its acceptance estimate is high and falls back to depth 0 as the random head fails: mixed depths, still
+    vLLM's beam search token for token."""
+    llm = inproc_in_step_llm
+    chosen = recording_policy(llm, 1e-4, 1.0)
+    policy = llm.llm_engine.engine_core.engine_core.scheduler._depth
+    for width in (2, 4):
+        want = beam_search(tiny_eos_llm, PROMPTS, width, 10)
+        got = llm.generate(PROMPTS, _beams(width, 3, 10, extra={"auto_depth": True}), use_tqdm=False)
+        _assert_same_search(want, got)
+    assert policy.in_step_choices > 0 and policy.in_step.num_observations > 0, (policy.in_step_choices, chosen)
+    assert 0 in chosen and max(chosen) >= 2, chosen
 
 
 def test_drafting_inside_the_verify_step_is_distributed_as_beam_sampling(in_step_llm, tiny_eos_target):

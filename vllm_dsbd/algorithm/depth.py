@@ -36,6 +36,15 @@ Model (one group; what it shares its steps with is a :class:`Batch`):
   ``E[tokens | γ] / seconds``; in a full batch a draft step stalls
   everyone, and the same draft that pays alone may not.
 
+Drafting inside the verify step (the engine knob ``draft_in_step``): the
+runner draws the next iteration's γ layers in the step that verifies this
+one, so its γ is chosen one iteration ahead (from the iterations verified
+before) and it has no draft steps: ``γ ≥ 1`` costs the target step over
+``N + W (γ + 1)`` tokens plus ``d = a' + b' W γ`` for the drafting, fitted
+on the runner's own timings of it (the target step's time without it feeds
+the target's fit). Until such a drafting was timed, the draft steps' cost
+stands in for it.
+
 Exploration: a γ never tried tells nothing about itself. Until the draft's
 cost has been measured the policy drafts one layer; while the model says
 γ = 0, it drafts one layer anyway once at least ``probe_interval`` such
@@ -134,13 +143,17 @@ ALONE = Batch()
 
 
 def iteration_seconds(depth: int, width: int, draft_lag: int, draft: LinearCost, target: LinearCost,
-                      batch: Batch = ALONE) -> float:
+                      batch: Batch = ALONE, in_step: LinearCost | None = None) -> float:
     """Predicted engine seconds of one iteration (see the module docstring); needs both costs measured for
-    depth > 0."""
+    depth > 0. ``in_step``: the cost of drafting γ layers inside the verify step, when the iteration's
+    layers are drawn there (and it has been measured) instead of by draft steps."""
     if depth == 0:
         return target.predict(batch.other_tokens + width)
-    fixed, per_token = draft.coefficients()
-    draft_seconds = depth * fixed / batch.drafting + per_token * (max(draft_lag, width) + (depth - 1) * width)
+    if in_step is not None and in_step.num_observations > 0:
+        draft_seconds = in_step.predict(width * depth)
+    else:
+        fixed, per_token = draft.coefficients()
+        draft_seconds = depth * fixed / batch.drafting + per_token * (max(draft_lag, width) + (depth - 1) * width)
     return draft_seconds + target.predict(batch.other_tokens + width * (depth + 1))
 
 
@@ -156,6 +169,7 @@ class DepthPolicy:
     margin: float = 0.15  # speculating is taken to cost this share more than modelled (deeper forests do)
     draft: LinearCost = field(default_factory=LinearCost)
     target: LinearCost = field(default_factory=LinearCost)
+    in_step: LinearCost = field(default_factory=LinearCost)  # seconds of drawing W γ draft nodes in a verify step
     _engine: dict[object, AcceptanceStats] = field(default_factory=dict)
     _groups: dict[str, AcceptanceStats] = field(default_factory=dict)
     _zero_choices: dict[object, float] = field(default_factory=dict)  # in steps: 1 / G per choice
@@ -164,6 +178,11 @@ class DepthPolicy:
 
     def observe_step(self, is_draft: bool, num_tokens: int, seconds: float) -> None:
         (self.draft if is_draft else self.target).observe(num_tokens, seconds)
+
+    def observe_in_step(self, num_nodes: int, seconds: float) -> None:
+        """A group's draft layers (``num_nodes``: W per layer) drawn inside a verify step took ``seconds``
+        (not counted in that step's :meth:`observe_step`)."""
+        self.in_step.observe(num_nodes, seconds)
 
     def observe_iteration(self, key: object, group_id: str, num_layers: int, num_passed: int) -> None:
         """A verified iteration of ``group_id`` (decoding kind ``key``): ``num_passed`` of ``num_layers`` passed."""
@@ -182,9 +201,10 @@ class DepthPolicy:
         return (group.passed + self.prior_weight * prior) / (group.trials + self.prior_weight)
 
     def choose(self, key: object, group_id: str, max_depth: int, width: int, draft_lag: int,
-               probe: bool = True, batch: Batch = ALONE) -> int:
+               probe: bool = True, batch: Batch = ALONE, in_step: bool = False) -> int:
         """γ in 0..max_depth for the group's next iteration in ``batch``. ``probe=False``: the model's choice
-        only, no exploration and nothing recorded (a look ahead, e.g. at a group's admission)."""
+        only, no exploration and nothing recorded (a look ahead, e.g. at a group's admission). ``in_step``:
+        its layers would be drawn inside the verify step before it (see the module docstring)."""
         if max_depth <= 0:
             return 0
         if self.draft.num_observations == 0 or self.target.num_observations == 0:
@@ -192,10 +212,12 @@ class DepthPolicy:
         alpha = self.alpha(key, group_id)
         others = batch.streams - 1  # they gain a token per iteration whatever this group does
 
+        in_step_cost = self.in_step if in_step else None
         plain_seconds = iteration_seconds(0, width, draft_lag, self.draft, self.target, batch)
 
         def rate(depth: int) -> float:  # speculating is taken to cost ``margin`` more than modelled
-            extra = iteration_seconds(depth, width, draft_lag, self.draft, self.target, batch) - plain_seconds
+            extra = iteration_seconds(depth, width, draft_lag, self.draft, self.target, batch,
+                                      in_step_cost) - plain_seconds
             return (others + expected_tokens(alpha, depth)) / (plain_seconds + (1 + self.margin) * extra)
 
         best = max(range(max_depth + 1), key=rate)  # the shallowest of equals
@@ -208,7 +230,7 @@ class DepthPolicy:
         count = self._zero_choices.get(key, 0) + 1 / batch.streams
         spent = self._zero_seconds.get(key, 0.0) + plain_seconds / batch.streams
         interval = self._intervals.get(key, self.probe_interval)
-        extra = iteration_seconds(1, width, draft_lag, self.draft, self.target, batch) - plain_seconds
+        extra = iteration_seconds(1, width, draft_lag, self.draft, self.target, batch, in_step_cost) - plain_seconds
         if count >= interval and extra <= self.probe_budget * spent:
             # probe: the draft may have got better (or the estimate was unlucky)
             self._zero_choices[key], self._zero_seconds[key] = 0, 0.0

@@ -119,6 +119,7 @@ class BeamGroup:
         self.aliases: dict[int, int] = {}  # leaf -> its twin (same parent and token), which has the path
         self.path_requests: list[PathRequest] = []
         self.draft_in_step = False  # set by the scheduler: the runner drafts the next forest while verifying
+        self.draft_next = params.num_speculative_tokens  # γ it drafts there (auto_depth: chosen per iteration)
 
     @property
     def speculative(self) -> bool:
@@ -316,7 +317,7 @@ class BeamGroup:
             seq_len=self.prompt_len + self.num_generated, num_out=1 if p.memory_efficient else width,
             width_threshold=1.0 if p.temperature == 0 else p.width_threshold, min_width=p.min_width,
             num_logprobs=p.num_logprobs, tails=self.tails(self.beams), mjsd_tau=p.mjsd_tau,
-            draft_next=p.num_speculative_tokens if self.draft_in_step else 0,
+            draft_next=self.draft_next if self.draft_in_step else 0,
             max_tokens_left=p.max_tokens - self.num_generated,
         )
 

@@ -69,11 +69,14 @@ class CommitMixin:
         self._observe(proposed, accepted, widths, num_layers)
         self._depth.observe_iteration(_depth_key(group), group.group_id, num_layers, num_passed)
         self._carry_out(group, apply(decision), freed, group_outputs)
+        drafted = getattr(decision, "next_layers", None)  # None: not a verify step (a beam step)
+        if drafted:
+            self._in_step_seconds += decision.draft_seconds
+            self._depth.observe_in_step(sum(len(d.tokens) for d in drafted), decision.draft_seconds)
         if group.group_id in self.groups:
             for b in group.beams:
                 b.request.dsbd_target = b.request.num_computed_tokens
-            self._start_iteration(group, freed, rewind=False, own_tokens=own_tokens,
-                                  drafted=getattr(decision, "next_layers", None))
+            self._start_iteration(group, freed, rewind=False, own_tokens=own_tokens, drafted=drafted)
 
     def _observe(self, proposed: list[int], accepted: list[int], widths: list[int], num_draft_layers: int) -> None:
         """DSBD in vLLM's spec-decode counters: a draft = one iteration (one target forward of the
@@ -113,7 +116,9 @@ class CommitMixin:
         """The beams' KV is complete up to their last token (``rewind``: up to the end; the last token
         is recomputed with the forest): the next DSBD iteration starts. ``own_tokens``: the group's tokens
         in the step just run (default: its beams'). ``drafted``: its draft layers, drawn by the runner in
-        the verify step just run (``engine.forest_draft``): the forest's paths are set up at once."""
+        the verify step just run (``engine.forest_draft``): the forest's paths are set up at once; empty
+        after a verify step that drew none (with auto_depth, γ 0 may have been chosen for it), None after
+        any other step."""
         if drafted:
             for b in group.beams:  # the runner wrote the head's KV of the verified tokens (forest_draft)
                 b.request.dsbd_draft = b.request.dsbd_target
@@ -129,11 +134,20 @@ class CommitMixin:
                 r.dsbd_target, r.dsbd_draft = r.num_computed_tokens, 0
             r.dsbd_draft = min(getattr(r, "dsbd_draft", None) or 0, r.dsbd_target)
         depth = None
-        if group.params.auto_depth:
+        if group.params.auto_depth and drafted is not None and group.draft_in_step and group.draft_next == 0:
+            depth = 0  # chosen when its verify step was planned (_in_step_depth)
+        elif group.params.auto_depth:
             draft_lag = sum(b.request.num_tokens - b.request.dsbd_draft for b in group.beams)
             depth = self._depth.choose(_depth_key(group), group.group_id, group.max_draft_layers,
                                        len(group.beams), draft_lag, batch=self._batch_of(group, own_tokens))
         self._carry_out(group, group.start_iteration(depth), freed, {})
+
+    def _in_step_depth(self, group: BeamGroup) -> int:
+        """auto_depth with ``draft_in_step``: γ of the group's next iteration, chosen one iteration ahead, as
+        its verify step is planned, since the runner draws those layers in that step (no draft lag: the head
+        reads the verified tokens there)."""
+        return self._depth.choose(_depth_key(group), group.group_id, group.max_draft_layers, len(group.beams), 0,
+                                  batch=self._batch_of(group, self._step_tokens_of(group.requests())), in_step=True)
 
     def _step_tokens_of(self, requests) -> int:
         return sum(self._step_tokens.get(r.request_id, 0) for r in requests)

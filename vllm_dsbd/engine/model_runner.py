@@ -276,7 +276,9 @@ class DSBDModelRunnerMixin:
                 verify = spec_step.verify if vs.mjsd_tau is None else mjsd_step.verify
                 decision = verify(path_logits, vs, joints, self._dsbd_stops)
                 if vs.draft_next:  # the next iteration's forest, in this step (engine.forest_draft)
+                    drafting = time.perf_counter()
                     decision.next_layers = forest_draft.draft(self, vs, decision)
+                    decision.draft_seconds = time.perf_counter() - drafting
                 result.verify_decisions[vs.group_id] = decision
                 for i, tokens in zip(rows, _path_row_tokens(vs, decision)):
                     _set_row(sampled, discard, i, tokens)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 PLAN_ATTR = "dsbd_plan"
 RESULT_ATTR = "dsbd_result"
@@ -198,6 +198,8 @@ class VerifyDecision:
     widths: list[int]  # [num_passed + 1] live beams (not finished) at each layer produced; at most W
     next_layers: list[DraftDecision] = field(default_factory=list)
     """With ``VerifyStep.draft_next``: the next iteration's draft layers, drawn from the new beams."""
+    draft_seconds: float = 0.0
+    """The runner's time drawing ``next_layers`` (auto_depth's cost of drafting inside the verify step)."""
 
 
 @dataclass

@@ -114,6 +114,7 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
         # auto_depth: γ per iteration from the measured cost of this engine's steps (algorithm.depth).
         self._depth = DepthPolicy()
         self._step_timing: tuple[float, bool] | None = None  # (start, draft step) of the step in flight
+        self._in_step_seconds = 0.0  # of that step, the runner's drafting inside verification (its own cost)
         self._step_tokens: dict[str, int] = {}  # tokens per request of the last target step with groups
         self._batch_view: tuple[int, set[str], int] | None = None  # that step's streams, drafting groups, tokens
 
@@ -145,8 +146,7 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
         root = self._internal_request(group_id, first, list(first.prompt_token_ids), first._block_hasher)
         group = BeamGroup(group_id, [u.request_id for u in users], first.num_prompt_tokens, params, root)
         group.draft_in_step = (config.draft_in_step and params.num_speculative_tokens > 0
-                               and params.mjsd_tau is None and not params.memory_efficient
-                               and not params.auto_depth)
+                               and params.mjsd_tau is None and not params.memory_efficient)
         self.groups[group_id] = group
         self._admission.append(group_id)
 
@@ -260,8 +260,9 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
         if self._step_timing is not None:  # this step's cost, schedule to commit, for auto_depth
             start, is_draft = self._step_timing
             self._step_timing = None
-            self._depth.observe_step(is_draft, scheduler_output.total_num_scheduled_tokens,
-                                     time.perf_counter() - start)
+            seconds = time.perf_counter() - start - self._in_step_seconds  # the target step's own
+            self._in_step_seconds = 0.0
+            self._depth.observe_step(is_draft, scheduler_output.total_num_scheduled_tokens, seconds)
         return outputs
 
     def make_stats(self, spec_decoding_stats=None, *args, **kwargs):

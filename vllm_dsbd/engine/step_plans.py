@@ -75,6 +75,8 @@ class PlanMixin:
                 if len(done) == len(group.path_requests) and group.plain_iteration:
                     plan.groups.append(group.plan())  # no draft layers: a beam step
                 elif len(done) == len(group.path_requests):
+                    if group.draft_in_step and group.params.auto_depth:
+                        group.draft_next = self._in_step_depth(group)
                     plan.verify_steps.append(group.verify_plan())
                 else:
                     plan.discard_req_ids += [r.request_id for r in done]
