@@ -72,14 +72,15 @@ def _profile_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
 def _rows(gammas: list[int], temperature: float, auto: int,
           in_step: list[bool]) -> list[tuple[str, int, bool, bool, bool]]:
     """(name, γ (the maximum with auto), fixed width, auto_depth, draft_in_step) of every row; γ = 0 (the
-    baseline) first. Fixed-depth DSBD rows come once per ``in_step`` mode (auto_depth drafts in draft steps)."""
+    baseline) first. Every DSBD row comes once per ``in_step`` mode."""
     widths = [True] if temperature == 0 else [True, False]
     rows = [("in-engine", 0, True, False, False)]
     for gamma in (g for g in gammas if g > 0):
         rows += [("dsbd-fixed" if fixed else "dsbd-dynamic", gamma, fixed, False, mode)
                  for fixed in widths for mode in in_step]
     if auto:
-        rows += [("dsbd-auto-fixed" if fixed else "dsbd-auto-dynamic", auto, fixed, True, False) for fixed in widths]
+        rows += [("dsbd-auto-fixed" if fixed else "dsbd-auto-dynamic", auto, fixed, True, mode)
+                 for fixed in widths for mode in in_step]
     return rows
 
 
