@@ -257,11 +257,11 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
         outputs = super().update_from_output(plain_output, model_runner_output)
         for client, outs in group_outputs.items():
             outputs.setdefault(client, EngineCoreOutputs()).outputs.extend(outs)
+        in_step, self._in_step_seconds = self._in_step_seconds, 0.0  # never carried into a later step
         if self._step_timing is not None:  # this step's cost, schedule to commit, for auto_depth
             start, is_draft = self._step_timing
             self._step_timing = None
-            seconds = time.perf_counter() - start - self._in_step_seconds  # the target step's own
-            self._in_step_seconds = 0.0
+            seconds = time.perf_counter() - start - in_step  # the target step's own
             self._depth.observe_step(is_draft, scheduler_output.total_num_scheduled_tokens, seconds)
         return outputs
 
