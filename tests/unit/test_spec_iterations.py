@@ -8,6 +8,7 @@ enumeration of beam sampling (T > 0, fixed width).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -222,6 +223,9 @@ def test_a_heads_draft_layer_draws_what_sampling_over_the_whole_vocabulary_draws
                        length_penalty=1.0, ignore_eos=False, eos_token_id=0, seed=seed, step=5, layer=2,
                        req_ids=("a", "b", "c"), slots=(0, 2, 3), scores=(-0.5, -1.0, -2.5), seq_len=9)
         decision, q = draft_layer(logits, {"a": 0, "b": 1, "c": 2}, ds, own.sort().values)
+        # a head's logits over its draft vocabulary's columns only (in-step drafting) draw the same
+        columns = draft_layer(logits[:, own.sort().values], {"a": 0, "b": 1, "c": 2}, ds, own.sort().values, vocab)
+        assert columns[0] == decision and torch.equal(columns[1], q)
 
         lp = torch.zeros((width, vocab))
         lp[[0, 2, 3]] = tempered_logprobs(logits, 0.8)
@@ -234,6 +238,9 @@ def test_a_heads_draft_layer_draws_what_sampling_over_the_whole_vocabulary_draws
                                                  .double()).tolist(), abs=1e-5)
         torch.testing.assert_close(q, want_q[0], atol=1e-6, rtol=1e-5)
         assert bool((q.view(width, vocab)[:, own.sort().values].sum() - 1).abs() < 1e-5)
+    with pytest.raises(ValueError, match="need a support and T > 0"):
+        draft_layer(logits[:, own.sort().values], {"a": 0, "b": 1, "c": 2},
+                    dataclasses.replace(ds, temperature=0.0), own.sort().values, vocab)
 
 
 def test_a_draft_vocabulary_is_checked_against_the_drafts_logits():
@@ -241,13 +248,19 @@ def test_a_draft_vocabulary_is_checked_against_the_drafts_logits():
     gives no finite logit outside it; a vocabulary missing one proposable token is refused."""
     from types import SimpleNamespace
 
-    from vllm_dsbd.engine.eagle3 import draft_vocabulary
+    from vllm_dsbd.engine.eagle3 import draft_vocabulary, draft_vocabulary_logits, draft_vocabulary_order
     from vllm_dsbd.engine.spec_step import check_support, proposable_tokens
 
     head = SimpleNamespace(draft_id_to_target_id=torch.tensor([5, 5, 0, 0]))  # draft ids 0..3 -> 5, 6, 2, 3
     support = draft_vocabulary(head)
     assert support.tolist() == [2, 3, 5, 6]
     assert draft_vocabulary(SimpleNamespace(draft_id_to_target_id=None)) is None
+    # the head's own logits (draft ids 0..3) come out in the support's order: tokens 2, 3, 5, 6
+    head.lm_head, head.logits_processor = None, lambda lm_head, hidden: hidden
+    order = draft_vocabulary_order(head)
+    assert draft_vocabulary_logits(head, torch.tensor([[10.0, 11.0, 12.0, 13.0]]), order).tolist() == [
+        [12.0, 13.0, 10.0, 11.0]]
+    assert draft_vocabulary_order(SimpleNamespace(draft_id_to_target_id=None)) is None
     assert proposable_tokens(support, 8) is support and proposable_tokens(support, 7) is None
     logits = torch.full((2, 8), float("-inf"))
     logits[0, 2], logits[1, 6] = 1.0, 0.5

@@ -34,6 +34,22 @@ def draft_vocabulary(head: Any) -> torch.Tensor | None:
     return (torch.arange(d2t.shape[0], device=d2t.device) + d2t.detach()).sort().values
 
 
+def draft_vocabulary_order(head: Any) -> torch.Tensor | None:
+    """The draft ids of a head's draft vocabulary in the order of :func:`draft_vocabulary` (ascending target
+    ids), for :func:`draft_vocabulary_logits`; None for a head over the whole vocabulary."""
+    d2t = getattr(head, "draft_id_to_target_id", None)
+    if d2t is None:
+        return None
+    return (torch.arange(d2t.shape[0], device=d2t.device) + d2t.detach()).argsort()
+
+
+def draft_vocabulary_logits(head: Any, hidden_states: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The head's logits over its draft vocabulary only: [rows, K], column ``j`` the token
+    ``draft_vocabulary(head)[j]``. vLLM's ``compute_logits`` without its last move, the scatter into a
+    [rows, V] tensor of -inf (``order``: :func:`draft_vocabulary_order`)."""
+    return head.logits_processor(head.lm_head, hidden_states).index_select(-1, order)
+
+
 class FeatureCache:
     """One feature row per KV-cache slot of the target's KV-cache group: ``[num_blocks * block_size, width]``."""
 

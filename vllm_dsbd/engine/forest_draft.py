@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from vllm_dsbd.algorithm import token_finishes
-from vllm_dsbd.engine import forest_attention, spec_step
+from vllm_dsbd.engine import eagle3, forest_attention, spec_step
 from vllm_dsbd.engine.protocol import DraftDecision, DraftStep, VerifyDecision, VerifyStep, first_path_through
 
 
@@ -75,17 +75,20 @@ def draft(runner, vs: VerifyStep, decision: VerifyDecision) -> list[DraftDecisio
     features = runner._dsbd_features.read(torch.tensor(feature_slots, device=runner._dsbd_features.features.device))
     scores = [c.score for c in decision.beams]
     slots = list(range(len(last_rows)))
+    # At T > 0 a head's draw needs only its draft vocabulary's columns: no scatter of its logits into all V.
+    order = runner._dsbd_head_order if vs.temperature > 0 else None
+    vocab = runner.model_config.get_vocab_size() if order is not None else None
     out = []
     for layer in range(1, layers + 1):
-        logits, own = _forward(runner, tokens, positions, features, rows, last_rows)
+        logits, own = _forward(runner, tokens, positions, features, rows, last_rows, order)
         ds = DraftStep(
             group_id=vs.group_id, beam_width=vs.beam_width, temperature=vs.temperature, top_k=vs.top_k,
             top_p=vs.top_p, length_penalty=vs.length_penalty, ignore_eos=vs.ignore_eos,
             eos_token_id=vs.eos_token_id, stop_token_ids=vs.stop_token_ids, stop=vs.stop, seed=vs.seed,
             step=vs.step + 1, layer=layer, req_ids=tuple(str(s) for s in slots), slots=tuple(slots),
             scores=tuple(scores), seq_len=root_len + depth + layer)
-        chosen, joint = spec_step.draft_layer(logits, {str(s): r for r, s in enumerate(slots)}, ds,
-                                              runner._draft_support(logits))
+        support = runner._dsbd_support if order is not None else runner._draft_support(logits)
+        chosen, joint = spec_step.draft_layer(logits, {str(s): r for r, s in enumerate(slots)}, ds, support, vocab)
         if joint is not None:
             runner._dsbd_drafts.put(vs.group_id, vs.step + 1, layer, joint)
         out.append(chosen)
@@ -107,11 +110,16 @@ def draft(runner, vs: VerifyStep, decision: VerifyDecision) -> list[DraftDecisio
 
 
 def _forward(runner, tokens: list[int], positions: list[int], features: torch.Tensor,
-             rows: forest_attention.ForestRows, logit_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The head's logits at ``logit_rows`` [len, V] and its own features at every forest row."""
+             rows: forest_attention.ForestRows, logit_rows: list[int],
+             order: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's logits at ``logit_rows`` ([len, V], or [len, K] over its draft vocabulary when ``order`` is
+    given: ``eagle3.draft_vocabulary_logits``) and its own features at every forest row."""
     head = runner.drafter.model
     device = features.device
     normed, own = forest_attention.head_forward(
         head, runner._dsbd_forest_layers, runner.vllm_config, torch.tensor(tokens, device=device),
         torch.tensor(positions, device=device), features, rows)
-    return head.compute_logits(normed[torch.tensor(logit_rows, device=device)]), own
+    normed = normed[torch.tensor(logit_rows, device=device)]
+    if order is not None:
+        return eagle3.draft_vocabulary_logits(head, normed, order), own
+    return head.compute_logits(normed), own

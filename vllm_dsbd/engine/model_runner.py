@@ -59,6 +59,7 @@ class DSBDModelRunnerMixin:
     _dsbd_features_gid = 0  # the KV-cache group of the target's (and the head's) layers
     _dsbd_support = None  # the draft's proposable token ids, when few (spec_step.proposable_tokens)
     _dsbd_support_checked = False
+    _dsbd_head_order = None  # with a head and a support: eagle3.draft_vocabulary_order, for in-step drafting
     _dsbd_forest_layers: list[str] = []  # the head's attention layers, with draft_in_step (engine.forest_draft)
 
     def __init__(self, *args, **kwargs) -> None:
@@ -110,6 +111,8 @@ class DSBDModelRunnerMixin:
         if self._dsbd_head:
             eagle3.share_target_embeddings(drafter.model, self.get_model())
             self._dsbd_support = spec_step.proposable_tokens(eagle3.draft_vocabulary(drafter.model), vocab)
+            if self._dsbd_support is not None:
+                self._dsbd_head_order = eagle3.draft_vocabulary_order(drafter.model)
         if self._dsbd_in_step:
             self._dsbd_forest_layers = forest_attention.install(drafter.model)
         self.model.compute_logits = self._shared_node_logits(self.model.compute_logits)

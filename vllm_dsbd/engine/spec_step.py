@@ -78,27 +78,31 @@ class DraftStore:
         return len(self._joints)
 
 
-def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep,
-                support: Tensor | None = None) -> tuple[DraftDecision, Tensor | None]:
+def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, support: Tensor | None = None,
+                vocab_size: int | None = None) -> tuple[DraftDecision, Tensor | None]:
     """The W nodes of draft layer ``ds.layer`` and, for ``T > 0``, the joint ``Q`` they were drawn from.
 
     logits: [num_rows, V] draft logits of this step's rows. support: the ascending token ids the draft can
     propose (every other logit is -inf: an EAGLE-3 head's draft vocabulary, ``draft_vocab_size``), or None
     for all V. At T > 0 the draw runs over those columns only: it draws exactly what sampling over all V
     does (the other tokens have probability 0, and the column order keeps the token order that ties and
-    top-k follow), at a fraction of the cost. Returns Q as [W*V] float32.
+    top-k follow), at a fraction of the cost. vocab_size: V, given when ``logits`` hold only the support's
+    columns ([num_rows, K], T > 0 only: a head's ``eagle3.draft_vocabulary_logits``). Returns Q as [W*V]
+    float32.
     """
+    if vocab_size is not None and (support is None or ds.temperature <= 0):
+        raise ValueError("draft_layer: logits over the support's columns only need a support and T > 0")
     width = ds.beam_width
     rows = torch.tensor([row_of[r] for r in ds.req_ids], device=logits.device)
     slots = torch.tensor(ds.slots, device=logits.device)
-    parent_logits = logits.index_select(0, rows).float()  # [P, V]
-    vocab = parent_logits.shape[-1]
+    parent_logits = logits.index_select(0, rows).float()  # [P, V] (or [P, K])
+    vocab = parent_logits.shape[-1] if vocab_size is None else vocab_size
     valid = torch.zeros((1, width), dtype=torch.bool)
     valid[0, slots] = True
     scores = torch.full((1, width), float("-inf"), dtype=torch.float64)
     scores[0, slots] = torch.tensor(ds.scores, dtype=torch.float64)
     if ds.temperature > 0:
-        columns = parent_logits if support is None else parent_logits[:, support]
+        columns = parent_logits if support is None or vocab_size is not None else parent_logits[:, support]
         lp = torch.zeros((width, columns.shape[-1]))
         lp[slots] = tempered_logprobs(columns, ds.temperature)
         q = joint_probs(scores, valid, lp[None], torch.tensor([ds.top_k]), torch.tensor([ds.top_p]))  # [1, W*K]
