@@ -69,6 +69,35 @@ def test_auto_depth_sees_a_group_alone_when_the_group_before_it_has_ended(inproc
     assert len(batches) >= 4 and set(batches) == {ALONE}, batches
 
 
+def test_auto_depth_fits_the_target_steps_cost_on_decoding_steps_only(inproc_spec_llm):
+    """A target step that computes a prompt (a beam group's or a plain request's) stays out of the target
+    step's cost fit: a prompt's tokens cost far less each than a forest's, and one long prompt flattened the
+    fitted cost per token (under load the policy then took every forest for nearly free). Every decoding
+    step is fitted."""
+    from vllm import SamplingParams
+
+    from vllm_dsbd.algorithm.depth import DepthPolicy
+
+    policy, fitted = DepthPolicy(), []
+    observe = policy.observe_step
+
+    def record(is_draft, num_tokens, seconds):
+        fitted.append((is_draft, num_tokens))
+        observe(is_draft, num_tokens, seconds)
+
+    policy.observe_step = record
+    inproc_spec_llm.llm_engine.engine_core.engine_core.scheduler._depth = policy
+    prompt_len = 64  # token ids no other test uses: nothing of them is in the prefix cache
+    beams = {"prompt_token_ids": list(range(1000, 1000 + prompt_len))}
+    plain = {"prompt_token_ids": list(range(2000, 2000 + prompt_len))}
+    inproc_spec_llm.generate([beams], _auto_request(2, 8, ignore_eos=True), use_tqdm=False)
+    inproc_spec_llm.generate([plain], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    target = [n for is_draft, n in fitted if not is_draft]
+    assert target.count(1) == 3, fitted  # the plain request's decoding steps (its prompt step sampled one)
+    assert len(target) > 3, fitted  # and the group's (2 beams: at least 2 tokens a step)
+    assert max(target) < prompt_len, fitted  # a forest of 2 beams, 4 tokens deep, is 8 tokens
+
+
 def test_auto_depth_is_lossless_at_every_depth_it_chooses(inproc_spec_llm, tiny_eos_llm):
     """The tests above may run on plain beam steps alone: on the tiny pair the measured costs make depth 0
     the choice. Here the engine's depth policy is told that draft steps cost almost nothing, so it

@@ -11,7 +11,10 @@ Model (one group; what it shares its steps with is a :class:`Batch`):
 - **Step costs.** A draft step and a target step each cost
   ``c(n) = a + b n`` seconds for ``n`` tokens computed in the step
   (:class:`LinearCost`: least squares over the engine's own recent steps,
-  exponentially forgotten; nothing is hard-coded for a machine).
+  exponentially forgotten; nothing is hard-coded for a machine). The
+  scheduler feeds the target's fit decoding steps only: a step computing a
+  prompt would flatten the cost per token, a prompt's tokens being far cheaper
+  each than a forest's.
 - **Acceptance.** A draft layer passes (all its kept nodes are accepted)
   with probability ``α``, the same at every depth; an iteration with ``γ``
   layers passes ``k`` layers with probability ``α^k (1 - α)`` (``k < γ``)

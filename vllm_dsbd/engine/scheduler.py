@@ -113,7 +113,9 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
         self._seeds = random.Random(self.vllm_config.model_config.seed)
         # auto_depth: γ per iteration from the measured cost of this engine's steps (algorithm.depth).
         self._depth = DepthPolicy()
-        self._step_timing: tuple[float, bool] | None = None  # (start, draft step) of the step in flight
+        # (start, kind) of the step in flight; kind: "draft", "target", or "prompt" (a target step computing
+        # prompt tokens: not fitted, see _step_kind)
+        self._step_timing: tuple[float, str] | None = None
         self._in_step_seconds = 0.0  # of that step, the runner's drafting inside verification (its own cost)
         self._step_tokens: dict[str, int] = {}  # tokens per request of the last target step with groups
         self._batch_view: tuple[int, set[str], int] | None = None  # that step's streams, drafting groups, tokens
@@ -195,8 +197,25 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
             plan.forget_group_ids, self._forgotten_groups = self._forgotten_groups, []
         if plan is not None:
             setattr(out, PLAN_ATTR, plan)
-        self._step_timing = (start, bool(drafting))
+        self._step_timing = (start, "draft" if drafting else self._target_kind(out))
         return out
+
+    def _target_kind(self, out: SchedulerOutput) -> str:
+        """"prompt" when the target step computes some prompt tokens (a user's, or a group's), else "target".
+
+        auto_depth fits the target step's cost on decoding steps only: a prompt's tokens cost far less each
+        (one request's causal block, where a decoding step runs many short queries each reading its whole
+        KV), so one prefill of a few hundred tokens would flatten the fitted cost per token, and the policy
+        would take a forest's tokens for nearly free."""
+        for rid, num in out.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            group = self.groups.get(self._beam_group.get(rid))
+            prompt_len = group.prompt_len if group is not None else request.num_prompt_tokens
+            if request.num_computed_tokens - num < prompt_len:  # vLLM advanced it by the step's tokens
+                return "prompt"
+        return "target"
 
     def _schedule_draft(self, drafting: list[BeamGroup], *args, **kwargs) -> SchedulerOutput:
         """A draft step: only the drafting groups' parent nodes run (the draft model), nothing is admitted."""
@@ -259,10 +278,11 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
             outputs.setdefault(client, EngineCoreOutputs()).outputs.extend(outs)
         in_step, self._in_step_seconds = self._in_step_seconds, 0.0  # never carried into a later step
         if self._step_timing is not None:  # this step's cost, schedule to commit, for auto_depth
-            start, is_draft = self._step_timing
+            start, kind = self._step_timing
             self._step_timing = None
             seconds = time.perf_counter() - start - in_step  # the target step's own
-            self._depth.observe_step(is_draft, scheduler_output.total_num_scheduled_tokens, seconds)
+            if kind != "prompt":
+                self._depth.observe_step(kind == "draft", scheduler_output.total_num_scheduled_tokens, seconds)
         return outputs
 
     def make_stats(self, spec_decoding_stats=None, *args, **kwargs):
