@@ -111,6 +111,8 @@ def test_auto_depth_is_lossless_at_every_depth_it_chooses(inproc_spec_llm, tiny_
         _assert_same_as_beam_search(want, got)
     assert engine_metric(inproc_spec_llm, "vllm:dsbd_draft_layers") > before  # speculation happened
     assert 3 in chosen and 0 in chosen, chosen
+    policy = inproc_spec_llm.llm_engine.engine_core.engine_core.scheduler._depth
+    assert policy.verify.num_observations > 0  # the runner timed the verifications, which auto_depth costs
 
 
 @pytest.mark.model

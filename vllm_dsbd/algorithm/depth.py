@@ -33,8 +33,13 @@ Model (one group; what it shares its steps with is a :class:`Batch`):
   drafting (this one included): ``γ = 0``: one target step over ``N + W``
   tokens; ``γ ≥ 1``: a first draft step over ``lag`` tokens, ``γ - 1``
   draft steps over ``W`` tokens, each draft step's fixed cost shared by the
-  ``k`` groups, and one target step over ``N + W (γ + 1)`` tokens (every
-  root-to-leaf path of the forest). The other streams gain one token each
+  ``k`` groups, one target step over ``N + W (γ + 1)`` tokens (every
+  root-to-leaf path of the forest), and the runner's verification of the
+  forest's ``W γ`` draft nodes, ``v = a'' + b'' W γ``, fitted on the
+  runner's own timings of it per group (none until one was timed). That
+  time is taken off the target step's before its fit: in a batch it is paid
+  per verifying group, and as a share of the step's tokens it was diluted by
+  the groups taking plain beam steps beside it. The other streams gain one token each
   whatever this group does, so alone (``G = k = 1``, ``N = 0``) the rate is
   ``E[tokens | γ] / seconds``; in a full batch a draft step stalls
   everyone, and the same draft that pays alone may not.
@@ -146,10 +151,12 @@ ALONE = Batch()
 
 
 def iteration_seconds(depth: int, width: int, draft_lag: int, draft: LinearCost, target: LinearCost,
-                      batch: Batch = ALONE, in_step: LinearCost | None = None) -> float:
+                      batch: Batch = ALONE, in_step: LinearCost | None = None,
+                      verify: LinearCost | None = None) -> float:
     """Predicted engine seconds of one iteration (see the module docstring); needs both costs measured for
     depth > 0. ``in_step``: the cost of drafting γ layers inside the verify step, when the iteration's
-    layers are drawn there (and it has been measured) instead of by draft steps."""
+    layers are drawn there (and it has been measured) instead of by draft steps. ``verify``: the runner's
+    cost of verifying ``W γ`` draft nodes (nothing while unmeasured)."""
     if depth == 0:
         return target.predict(batch.other_tokens + width)
     if in_step is not None and in_step.num_observations > 0:
@@ -157,7 +164,8 @@ def iteration_seconds(depth: int, width: int, draft_lag: int, draft: LinearCost,
     else:
         fixed, per_token = draft.coefficients()
         draft_seconds = depth * fixed / batch.drafting + per_token * (max(draft_lag, width) + (depth - 1) * width)
-    return draft_seconds + target.predict(batch.other_tokens + width * (depth + 1))
+    verify_seconds = verify.predict(width * depth) if verify is not None and verify.num_observations > 0 else 0.0
+    return draft_seconds + target.predict(batch.other_tokens + width * (depth + 1)) + verify_seconds
 
 
 @dataclass
@@ -173,6 +181,7 @@ class DepthPolicy:
     draft: LinearCost = field(default_factory=LinearCost)
     target: LinearCost = field(default_factory=LinearCost)
     in_step: LinearCost = field(default_factory=LinearCost)  # seconds of drawing W γ draft nodes in a verify step
+    verify: LinearCost = field(default_factory=LinearCost)  # seconds of verifying W γ draft nodes (the runner's)
     _engine: dict[object, AcceptanceStats] = field(default_factory=dict)
     _groups: dict[str, AcceptanceStats] = field(default_factory=dict)
     _zero_choices: dict[object, float] = field(default_factory=dict)  # in steps: 1 / G per choice
@@ -186,6 +195,11 @@ class DepthPolicy:
         """A group's draft layers (``num_nodes``: W per layer) drawn inside a verify step took ``seconds``
         (not counted in that step's :meth:`observe_step`)."""
         self.in_step.observe(num_nodes, seconds)
+
+    def observe_verify(self, num_nodes: int, seconds: float) -> None:
+        """The runner took ``seconds`` verifying a group's ``num_nodes`` draft nodes (not counted in that
+        step's :meth:`observe_step`)."""
+        self.verify.observe(num_nodes, seconds)
 
     def observe_iteration(self, key: object, group_id: str, num_layers: int, num_passed: int) -> None:
         """A verified iteration of ``group_id`` (decoding kind ``key``): ``num_passed`` of ``num_layers`` passed."""
@@ -220,7 +234,7 @@ class DepthPolicy:
 
         def rate(depth: int) -> float:  # speculating is taken to cost ``margin`` more than modelled
             extra = iteration_seconds(depth, width, draft_lag, self.draft, self.target, batch,
-                                      in_step_cost) - plain_seconds
+                                      in_step_cost, self.verify) - plain_seconds
             return (others + expected_tokens(alpha, depth)) / (plain_seconds + (1 + self.margin) * extra)
 
         best = max(range(max_depth + 1), key=rate)  # the shallowest of equals
@@ -233,7 +247,8 @@ class DepthPolicy:
         count = self._zero_choices.get(key, 0) + 1 / batch.streams
         spent = self._zero_seconds.get(key, 0.0) + plain_seconds / batch.streams
         interval = self._intervals.get(key, self.probe_interval)
-        extra = iteration_seconds(1, width, draft_lag, self.draft, self.target, batch, in_step_cost) - plain_seconds
+        extra = iteration_seconds(1, width, draft_lag, self.draft, self.target, batch, in_step_cost,
+                                  self.verify) - plain_seconds
         if count >= interval and extra <= self.probe_budget * spent:
             # probe: the draft may have got better (or the estimate was unlucky)
             self._zero_choices[key], self._zero_seconds[key] = 0, 0.0

@@ -22,7 +22,7 @@ from vllm_dsbd.algorithm.depth import Batch
 from vllm_dsbd.engine import metrics
 from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams, Hypothesis
 from vllm_dsbd.engine.group_effects import Extend, Fork, Free, PathRequest, StepEffects
-from vllm_dsbd.engine.protocol import StepPlan
+from vllm_dsbd.engine.protocol import GroupTiming, StepPlan
 
 
 class CommitMixin:
@@ -54,14 +54,16 @@ class CommitMixin:
                     decision = _decision(result, "verify_decisions", step.group_id)
                     self._commit_iteration(group, group.apply_verify, decision, decision.num_proposed,
                                            decision.num_accepted, decision.widths, decision.num_passed,
-                                           freed, group_outputs)
+                                           freed, group_outputs, result.timings.get(step.group_id))
         if freed:
             self.running = remove_all(self.running, freed)
 
     def _commit_iteration(self, group: BeamGroup, apply, decision, proposed: list[int], accepted: list[int],
                           widths: list[int], num_passed: int, freed: set[Request],
-                          group_outputs: dict[int, list[EngineCoreOutput]]) -> None:
-        """A verified DSBD iteration (``apply``: the group's commit of ``decision``); the next one starts."""
+                          group_outputs: dict[int, list[EngineCoreOutput]], timing: GroupTiming | None = None) -> None:
+        """A verified DSBD iteration (``apply``: the group's commit of ``decision``); the next one starts.
+        ``timing``: the runner's time verifying it (and drafting the next one inside that step), which
+        auto_depth costs on its own, not as the target step's."""
         num_layers = len(group.layers)
         own_tokens = self._step_tokens_of([pr.request for pr in group.path_requests])
         for pr in group.path_requests:  # the target computed every path up to its root's end
@@ -70,9 +72,11 @@ class CommitMixin:
         self._depth.observe_iteration(_depth_key(group), group.group_id, num_layers, num_passed)
         self._carry_out(group, apply(decision), freed, group_outputs)
         drafted = getattr(decision, "next_layers", None)  # None: not a verify step (a beam step)
-        if drafted:
-            self._in_step_seconds += decision.draft_seconds
-            self._depth.observe_in_step(sum(len(d.tokens) for d in drafted), decision.draft_seconds)
+        if timing is not None:
+            self._group_seconds += timing.verify_seconds + timing.draft_seconds
+            self._depth.observe_verify(sum(proposed), timing.verify_seconds)
+            if drafted:
+                self._depth.observe_in_step(sum(len(d.tokens) for d in drafted), timing.draft_seconds)
         if group.group_id in self.groups:
             for b in group.beams:
                 b.request.dsbd_target = b.request.num_computed_tokens

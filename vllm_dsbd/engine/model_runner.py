@@ -30,6 +30,7 @@ decision) lets a caller check that they do.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import pickle
 import time
@@ -42,7 +43,8 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.engine import beam_step, draft_head, eagle3, forest_attention, forest_draft, mjsd_step, spec_step
-from vllm_dsbd.engine.protocol import PLAN_ATTR, RESULT_ATTR, StepPlan, StepResult, first_path_through, layer_slot
+from vllm_dsbd.engine.protocol import (PLAN_ATTR, RESULT_ATTR, GroupTiming, StepPlan, StepResult, first_path_through,
+                                       layer_slot)
 from vllm_dsbd.engine.stops import StopCheckers
 
 logger = init_logger(__name__)
@@ -277,11 +279,13 @@ class DSBDModelRunnerMixin:
                     joints = (self._dsbd_drafts.take(vs.group_id, vs.step, num_layers) if num_layers
                               else torch.zeros((0, vs.beam_width * logits.shape[-1])))
                 verify = spec_step.verify if vs.mjsd_tau is None else mjsd_step.verify
+                verifying = time.perf_counter()
                 decision = verify(path_logits, vs, joints, self._dsbd_stops)
+                timing = result.timings[vs.group_id] = GroupTiming(time.perf_counter() - verifying)
                 if vs.draft_next:  # the next iteration's forest, in this step (engine.forest_draft)
                     drafting = time.perf_counter()
                     decision.next_layers = forest_draft.draft(self, vs, decision)
-                    decision.draft_seconds = time.perf_counter() - drafting
+                    timing.draft_seconds = time.perf_counter() - drafting
                 result.verify_decisions[vs.group_id] = decision
                 for i, tokens in zip(rows, _path_row_tokens(vs, decision)):
                     _set_row(sampled, discard, i, tokens)
@@ -290,7 +294,7 @@ class DSBDModelRunnerMixin:
             if i is not None:
                 discard[i] = True
         self._dsbd_result = result
-        self._dsbd_digest.update(pickle.dumps(result))
+        self._dsbd_digest.update(pickle.dumps(dataclasses.replace(result, timings={})))
         self._dsbd_profile.decided(time.perf_counter() - decide_start)
         return sampler_output
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 PLAN_ATTR = "dsbd_plan"
 RESULT_ATTR = "dsbd_result"
@@ -198,8 +198,14 @@ class VerifyDecision:
     widths: list[int]  # [num_passed + 1] live beams (not finished) at each layer produced; at most W
     next_layers: list[DraftDecision] = field(default_factory=list)
     """With ``VerifyStep.draft_next``: the next iteration's draft layers, drawn from the new beams."""
-    draft_seconds: float = 0.0
-    """The runner's time drawing ``next_layers`` (auto_depth's cost of drafting inside the verify step)."""
+
+
+@dataclass
+class GroupTiming:
+    """The runner's own time on one group's forest in a verify step (auto_depth costs each on its own)."""
+
+    verify_seconds: float = 0.0  # deciding the verification (spec_step / mjsd_step)
+    draft_seconds: float = 0.0  # drawing ``VerifyDecision.next_layers`` (draft_in_step)
 
 
 @dataclass
@@ -207,4 +213,6 @@ class StepResult:
     decisions: dict[str, GroupDecision]
     draft_decisions: dict[str, DraftDecision] = field(default_factory=dict)
     verify_decisions: dict[str, VerifyDecision] = field(default_factory=dict)
+    timings: dict[str, GroupTiming] = field(default_factory=dict)
+    """Per verified group. Measured on each rank, so not decisions: left out of the decisions' digest."""
     version: int = PROTOCOL_VERSION

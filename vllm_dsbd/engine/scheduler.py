@@ -116,7 +116,7 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
         # (start, kind) of the step in flight; kind: "draft", "target", or "prompt" (a target step computing
         # prompt tokens: not fitted, see _step_kind)
         self._step_timing: tuple[float, str] | None = None
-        self._in_step_seconds = 0.0  # of that step, the runner's drafting inside verification (its own cost)
+        self._group_seconds = 0.0  # of that step, the runner's verifying and in-step drafting (costed on their own)
         self._step_tokens: dict[str, int] = {}  # tokens per request of the last target step with groups
         self._batch_view: tuple[int, set[str], int] | None = None  # that step's streams, drafting groups, tokens
 
@@ -276,11 +276,11 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
         outputs = super().update_from_output(plain_output, model_runner_output)
         for client, outs in group_outputs.items():
             outputs.setdefault(client, EngineCoreOutputs()).outputs.extend(outs)
-        in_step, self._in_step_seconds = self._in_step_seconds, 0.0  # never carried into a later step
+        groups_own, self._group_seconds = self._group_seconds, 0.0  # never carried into a later step
         if self._step_timing is not None:  # this step's cost, schedule to commit, for auto_depth
             start, kind = self._step_timing
             self._step_timing = None
-            seconds = time.perf_counter() - start - in_step  # the target step's own
+            seconds = time.perf_counter() - start - groups_own  # the target step's own
             if kind != "prompt":
                 self._depth.observe_step(kind == "draft", scheduler_output.total_num_scheduled_tokens, seconds)
         return outputs
