@@ -215,23 +215,36 @@ def test_drafting_inside_the_verify_step_is_costed_by_its_own_timings_once_it_ha
     assert policy.choose(KEY, "g", max_depth=3, width=4, draft_lag=4, probe=False) == by_draft_steps
 
 
-def test_the_runners_verification_is_costed_per_group_once_timed():
-    """A forest's verification costs ``v = a'' + b'' W γ`` on top of its target step, fitted on the runner's
-    own timings of it (nothing before one). The same draft that speculates in a batch of 4 while its
-    verification is cheap stays at depth 0 once each group's verification is timed at a third of a step:
-    the other 3 streams wait for it too."""
+def test_the_runners_decisions_are_costed_per_group_once_timed():
+    """A forest's verification costs ``v(W γ)`` on top of its target step, in place of a beam step's decision
+    ``u(W)``, both fitted on the runner's own timings (nothing before one). The same draft that speculates in
+    a batch of 4 while its verification is unmeasured stays at depth 0 once each group's verification is
+    timed at a third of a step (the other 3 streams wait for it too), and speculates again once a beam
+    step's decision is timed as dear (verifying then costs nothing more than deciding)."""
     policy = _policy(0.01, target_fixed=0.5, target_per_token=0.01)  # a target step of 4 groups: 0.66 s
-    for _ in range(20):
-        policy.observe_iteration(KEY, "g", 1, 1 if _ % 2 else 0)  # half the layers pass
+    for k in range(20):
+        policy.observe_iteration(KEY, "g", 1, k % 2)  # half the layers pass
     batch = Batch(streams=4, other_tokens=12, drafting=1)
     for layers in (1, 2, 1, 2):
         policy.observe_in_step(4 * layers, 0.002 * layers)
-    unmeasured = iteration_seconds(2, 4, 0, policy.draft, policy.target, batch, policy.in_step, policy.verify)
+
+    def seconds(depth):
+        return iteration_seconds(depth, 4, 0, policy.draft, policy.target, batch, policy.in_step, policy.decide,
+                                 policy.verify)
+
+    def choice():
+        return policy.choose(KEY, "g", max_depth=2, width=4, draft_lag=0, probe=False, batch=batch, in_step=True)
+
+    unmeasured = seconds(2)
     assert unmeasured == pytest.approx(iteration_seconds(2, 4, 0, policy.draft, policy.target, batch,
                                                          policy.in_step))
-    assert policy.choose(KEY, "g", max_depth=2, width=4, draft_lag=0, probe=False, batch=batch, in_step=True) >= 1
+    assert choice() >= 1
     for layers in (1, 2, 1, 2):
-        policy.observe_verify(4 * layers, 0.2 + 0.005 * 4 * layers)
-    timed = iteration_seconds(2, 4, 0, policy.draft, policy.target, batch, policy.in_step, policy.verify)
-    assert timed == pytest.approx(unmeasured + 0.2 + 0.005 * 8)
-    assert policy.choose(KEY, "g", max_depth=2, width=4, draft_lag=0, probe=False, batch=batch, in_step=True) == 0
+        policy.observe_decision(4, 4 * layers, 0.2 + 0.005 * 4 * layers)
+    assert seconds(2) == pytest.approx(unmeasured + 0.2 + 0.005 * 8)
+    assert seconds(0) == pytest.approx(0.5 + 0.01 * 16)  # no beam step's decision timed yet
+    assert choice() == 0
+    for width in (4, 1, 4, 1):
+        policy.observe_decision(width, 0, 0.2 + 0.01 * width)
+    assert seconds(0) == pytest.approx(0.5 + 0.01 * 16 + 0.2 + 0.01 * 4)
+    assert choice() >= 1

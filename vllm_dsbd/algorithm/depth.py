@@ -35,11 +35,13 @@ Model (one group; what it shares its steps with is a :class:`Batch`):
   draft steps over ``W`` tokens, each draft step's fixed cost shared by the
   ``k`` groups, one target step over ``N + W (γ + 1)`` tokens (every
   root-to-leaf path of the forest), and the runner's verification of the
-  forest's ``W γ`` draft nodes, ``v = a'' + b'' W γ``, fitted on the
-  runner's own timings of it per group (none until one was timed). That
-  time is taken off the target step's before its fit: in a batch it is paid
-  per verifying group, and as a share of the step's tokens it was diluted by
-  the groups taking plain beam steps beside it. The other streams gain one token each
+  forest's ``W γ`` draft nodes, ``v(W γ)``, in place of a beam step's
+  decision over its ``W`` beams, ``u(W)`` (γ = 0 costs its target step
+  plus ``u``). Both are fitted (linear) on the runner's own timings of them
+  per group, nothing until one was timed, and taken off the target step's
+  time before its fit: in a batch each verifying group pays its
+  verification, and as a share of the step's tokens it was diluted by the
+  groups taking plain beam steps beside it. The other streams gain one token each
   whatever this group does, so alone (``G = k = 1``, ``N = 0``) the rate is
   ``E[tokens | γ] / seconds``; in a full batch a draft step stalls
   everyone, and the same draft that pays alone may not.
@@ -151,21 +153,28 @@ ALONE = Batch()
 
 
 def iteration_seconds(depth: int, width: int, draft_lag: int, draft: LinearCost, target: LinearCost,
-                      batch: Batch = ALONE, in_step: LinearCost | None = None,
+                      batch: Batch = ALONE, in_step: LinearCost | None = None, decide: LinearCost | None = None,
                       verify: LinearCost | None = None) -> float:
-    """Predicted engine seconds of one iteration (see the module docstring); needs both costs measured for
-    depth > 0. ``in_step``: the cost of drafting γ layers inside the verify step, when the iteration's
-    layers are drawn there (and it has been measured) instead of by draft steps. ``verify``: the runner's
-    cost of verifying ``W γ`` draft nodes (nothing while unmeasured)."""
+    """Predicted engine seconds of one iteration (see the module docstring); needs both step costs measured
+    for depth > 0. ``in_step``: the cost of drafting γ layers inside the verify step, when the iteration's
+    layers are drawn there (and it has been measured) instead of by draft steps. ``decide`` / ``verify``:
+    the runner's cost of a beam step's decision over ``W`` beams / of verifying ``W γ`` draft nodes."""
+    own = decision_seconds(depth, width, decide, verify)
     if depth == 0:
-        return target.predict(batch.other_tokens + width)
+        return target.predict(batch.other_tokens + width) + own
     if in_step is not None and in_step.num_observations > 0:
         draft_seconds = in_step.predict(width * depth)
     else:
         fixed, per_token = draft.coefficients()
         draft_seconds = depth * fixed / batch.drafting + per_token * (max(draft_lag, width) + (depth - 1) * width)
-    verify_seconds = verify.predict(width * depth) if verify is not None and verify.num_observations > 0 else 0.0
-    return draft_seconds + target.predict(batch.other_tokens + width * (depth + 1)) + verify_seconds
+    return draft_seconds + target.predict(batch.other_tokens + width * (depth + 1)) + own
+
+
+def decision_seconds(depth: int, width: int, decide: LinearCost | None, verify: LinearCost | None) -> float:
+    """The runner's time deciding a group's iteration: a beam step's decision (depth 0) or the verification
+    of the forest; 0 while unmeasured."""
+    cost, num = (decide, width) if depth == 0 else (verify, width * depth)
+    return cost.predict(num) if cost is not None and cost.num_observations > 0 else 0.0
 
 
 @dataclass
@@ -181,6 +190,7 @@ class DepthPolicy:
     draft: LinearCost = field(default_factory=LinearCost)
     target: LinearCost = field(default_factory=LinearCost)
     in_step: LinearCost = field(default_factory=LinearCost)  # seconds of drawing W γ draft nodes in a verify step
+    decide: LinearCost = field(default_factory=LinearCost)  # seconds of a beam step's decision over W beams
     verify: LinearCost = field(default_factory=LinearCost)  # seconds of verifying W γ draft nodes (the runner's)
     _engine: dict[object, AcceptanceStats] = field(default_factory=dict)
     _groups: dict[str, AcceptanceStats] = field(default_factory=dict)
@@ -196,10 +206,13 @@ class DepthPolicy:
         (not counted in that step's :meth:`observe_step`)."""
         self.in_step.observe(num_nodes, seconds)
 
-    def observe_verify(self, num_nodes: int, seconds: float) -> None:
-        """The runner took ``seconds`` verifying a group's ``num_nodes`` draft nodes (not counted in that
-        step's :meth:`observe_step`)."""
-        self.verify.observe(num_nodes, seconds)
+    def observe_decision(self, width: int, num_nodes: int, seconds: float) -> None:
+        """The runner took ``seconds`` deciding a group's iteration over ``width`` beams: its verification of
+        ``num_nodes`` draft nodes, or a beam step when 0 (not counted in that step's :meth:`observe_step`)."""
+        if num_nodes:
+            self.verify.observe(num_nodes, seconds)
+        else:
+            self.decide.observe(width, seconds)
 
     def observe_iteration(self, key: object, group_id: str, num_layers: int, num_passed: int) -> None:
         """A verified iteration of ``group_id`` (decoding kind ``key``): ``num_passed`` of ``num_layers`` passed."""
@@ -230,11 +243,11 @@ class DepthPolicy:
         others = batch.streams - 1  # they gain a token per iteration whatever this group does
 
         in_step_cost = self.in_step if in_step else None
-        plain_seconds = iteration_seconds(0, width, draft_lag, self.draft, self.target, batch)
+        plain_seconds = iteration_seconds(0, width, draft_lag, self.draft, self.target, batch, decide=self.decide)
 
         def rate(depth: int) -> float:  # speculating is taken to cost ``margin`` more than modelled
             extra = iteration_seconds(depth, width, draft_lag, self.draft, self.target, batch,
-                                      in_step_cost, self.verify) - plain_seconds
+                                      in_step_cost, self.decide, self.verify) - plain_seconds
             return (others + expected_tokens(alpha, depth)) / (plain_seconds + (1 + self.margin) * extra)
 
         best = max(range(max_depth + 1), key=rate)  # the shallowest of equals
@@ -248,7 +261,7 @@ class DepthPolicy:
         spent = self._zero_seconds.get(key, 0.0) + plain_seconds / batch.streams
         interval = self._intervals.get(key, self.probe_interval)
         extra = iteration_seconds(1, width, draft_lag, self.draft, self.target, batch, in_step_cost,
-                                  self.verify) - plain_seconds
+                                  self.decide, self.verify) - plain_seconds
         if count >= interval and extra <= self.probe_budget * spent:
             # probe: the draft may have got better (or the estimate was unlucky)
             self._zero_choices[key], self._zero_seconds[key] = 0, 0.0

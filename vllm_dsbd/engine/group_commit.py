@@ -45,7 +45,7 @@ class CommitMixin:
                 decision = _decision(result, "decisions", step.group_id)
                 if group.speculative:  # an iteration without draft layers
                     self._commit_iteration(group, group.apply, decision, [], [], [len(decision.beams)], 0,
-                                           freed, group_outputs)
+                                           freed, group_outputs, result.timings.get(step.group_id))
                 else:
                     self._carry_out(group, group.apply(decision), freed, group_outputs)
             for step in plan.verify_steps:
@@ -62,9 +62,9 @@ class CommitMixin:
                           widths: list[int], num_passed: int, freed: set[Request],
                           group_outputs: dict[int, list[EngineCoreOutput]], timing: GroupTiming | None = None) -> None:
         """A verified DSBD iteration (``apply``: the group's commit of ``decision``); the next one starts.
-        ``timing``: the runner's time verifying it (and drafting the next one inside that step), which
+        ``timing``: the runner's time deciding it (and drafting the next one inside that step), which
         auto_depth costs on its own, not as the target step's."""
-        num_layers = len(group.layers)
+        num_layers, width = len(group.layers), len(group.beams)
         own_tokens = self._step_tokens_of([pr.request for pr in group.path_requests])
         for pr in group.path_requests:  # the target computed every path up to its root's end
             pr.request.num_computed_tokens = pr.request.num_tokens
@@ -73,8 +73,8 @@ class CommitMixin:
         self._carry_out(group, apply(decision), freed, group_outputs)
         drafted = getattr(decision, "next_layers", None)  # None: not a verify step (a beam step)
         if timing is not None:
-            self._group_seconds += timing.verify_seconds + timing.draft_seconds
-            self._depth.observe_verify(sum(proposed), timing.verify_seconds)
+            self._group_seconds += timing.decide_seconds + timing.draft_seconds
+            self._depth.observe_decision(width, sum(proposed), timing.decide_seconds)
             if drafted:
                 self._depth.observe_in_step(sum(len(d.tokens) for d in drafted), timing.draft_seconds)
         if group.group_id in self.groups:

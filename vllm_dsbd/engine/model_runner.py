@@ -265,7 +265,10 @@ class DSBDModelRunnerMixin:
                 for rid in ds.req_ids:  # parent nodes keep their tokens; children are forks
                     discard[req_index[rid]] = True
         else:
+            deciding = time.perf_counter()
             result.decisions = beam_step.decide(logits, last_row, plan.groups, self._dsbd_stops)
+            share = (time.perf_counter() - deciding) / max(len(plan.groups), 1)  # decided together
+            result.timings = {step.group_id: GroupTiming(share) for step in plan.groups}
             for step in plan.groups:
                 tokens = beam_step.row_tokens(result.decisions[step.group_id], len(step.req_ids))
                 for rid, token in zip(step.req_ids, tokens):

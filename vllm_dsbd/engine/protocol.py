@@ -202,9 +202,9 @@ class VerifyDecision:
 
 @dataclass
 class GroupTiming:
-    """The runner's own time on one group's forest in a verify step (auto_depth costs each on its own)."""
+    """The runner's own time on one group in a target step (auto_depth costs each on its own)."""
 
-    verify_seconds: float = 0.0  # deciding the verification (spec_step / mjsd_step)
+    decide_seconds: float = 0.0  # deciding its iteration: the verification, or its share of the beam steps
     draft_seconds: float = 0.0  # drawing ``VerifyDecision.next_layers`` (draft_in_step)
 
 
@@ -214,5 +214,5 @@ class StepResult:
     draft_decisions: dict[str, DraftDecision] = field(default_factory=dict)
     verify_decisions: dict[str, VerifyDecision] = field(default_factory=dict)
     timings: dict[str, GroupTiming] = field(default_factory=dict)
-    """Per verified group. Measured on each rank, so not decisions: left out of the decisions' digest."""
+    """Per group of a target step. Measured on each rank, so not decisions: left out of the decisions' digest."""
     version: int = PROTOCOL_VERSION
