@@ -69,6 +69,18 @@ def test_auto_depth_sees_a_group_alone_when_the_group_before_it_has_ended(inproc
     assert len(batches) >= 4 and set(batches) == {ALONE}, batches
 
 
+def test_auto_depth_groups_admitted_together_look_ahead_as_one_batch(inproc_spec_llm):
+    """Four prompts arrive at once: each group's look-ahead at its first iteration (at its admission) sees
+    the four groups, not itself alone, so it weighs stalling the others with a draft of its prompt. (Each
+    used to see only the groups admitted before it, and the first one's view was kept for the step.)"""
+    from vllm_dsbd.algorithm.depth import Batch
+
+    batches = []
+    recording_policy(inproc_spec_llm, 0.2, 1.0, batches)
+    inproc_spec_llm.generate(PROMPTS[:1] * 4, _auto_request(2, 4, ignore_eos=True), use_tqdm=False)
+    assert batches[:4] == [Batch(streams=4)] * 4, batches
+
+
 def test_auto_depth_fits_the_target_steps_cost_on_decoding_steps_only(inproc_spec_llm):
     """A target step that computes a prompt (a beam group's or a plain request's) stays out of the target
     step's cost fit: a prompt's tokens cost far less each than a forest's, and one long prompt flattened the

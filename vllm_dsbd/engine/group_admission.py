@@ -65,8 +65,11 @@ class AdmissionMixin:
 
         A group reserves ``W`` request slots and the KV blocks its ``W`` beams
         may still need (prompt blocks shared); a group is always admitted when
-        no other group runs, so an oversized one is not starved.
+        no other group runs, so an oversized one is not starved. The auto_depth
+        groups among them look ahead at their first iteration once all are in:
+        groups admitted together share their steps.
         """
+        looking_ahead = []
         while self._admission:
             group = self.groups[self._admission[0]]
             admitted = list(self._admitted_groups())
@@ -74,20 +77,24 @@ class AdmissionMixin:
                 num_beam_slots = sum(self._slots(g) for g in admitted)
                 num_plain = sum(1 for r in self.running if r.request_id not in self._beam_group)
                 if num_plain + num_beam_slots + self._slots(group) > self.max_num_running_reqs:
-                    return
+                    break
                 free = self.kv_cache_manager.block_pool.get_num_free_blocks()
                 if free - sum(self._blocks_to_reserve(g) for g in admitted) < self._blocks_to_reserve(group):
-                    return
+                    break
             self._admission.popleft()
             root = group.beams[0].request
             self.requests[root.request_id] = root
             self._enqueue_waiting_request(root)
             if group.speculative and group.params.auto_depth:
-                self._start_without_prefill(group)
+                looking_ahead.append(group)
             for uid in group.user_request_ids:
                 user = self.requests.get(uid)
                 if user is not None and self.log_stats:
                     user.record_event(EngineCoreEventType.SCHEDULED)
+        if looking_ahead:
+            self._batch_view = None  # (auto_depth) counted again, with every group admitted now
+            for group in looking_ahead:
+                self._start_without_prefill(group)
 
     @staticmethod
     def _slots(group: BeamGroup) -> int:
