@@ -81,6 +81,27 @@ def test_auto_depth_groups_admitted_together_look_ahead_as_one_batch(inproc_spec
     assert batches[:4] == [Batch(streams=4)] * 4, batches
 
 
+def test_auto_depth_groups_that_do_not_fit_with_their_depth_are_admitted_for_shallower_iterations(
+        inproc_spec_llm, tiny_eos_llm):
+    """The engine allows γ <= 3, and a group that may draft 3 layers holds W (γ + 3) request slots at most:
+    with W 2 only max_num_seqs // 12 such groups used to run at once, the others waiting, although under
+    load auto_depth gives nearly every iteration γ 0. A group that does not fit with γ is admitted with the
+    deepest γ that fits (0: beam steps), so here all of them run at once, and T 0 is still vLLM's beam
+    search token for token."""
+    from vllm_dsbd.engine.beam_group import request_slots
+
+    width = 2
+    limit = inproc_spec_llm.llm_engine.engine_core.engine_core.scheduler.max_num_running_reqs
+    num = limit // request_slots(width, 3) + 4  # more than fit with γ 3; all fit with beam steps
+    assert num * width <= limit < num * request_slots(width, 3)
+    batches = []
+    recording_policy(inproc_spec_llm, 0.2, 1.0, batches)
+    prompts = (PROMPTS * num)[:num]
+    got = inproc_spec_llm.generate(prompts, _auto_request(width, 6), use_tqdm=False)
+    assert max(b.streams for b in batches) == num, batches
+    _assert_same_as_beam_search(beam_search(tiny_eos_llm, prompts, width, 6), got)
+
+
 def test_auto_depth_fits_the_target_steps_cost_on_decoding_steps_only(inproc_spec_llm):
     """A target step that computes a prompt (a beam group's or a plain request's) stays out of the target
     step's cost fit: a prompt's tokens cost far less each than a forest's, and one long prompt flattened the

@@ -120,6 +120,9 @@ class BeamGroup:
         self.path_requests: list[PathRequest] = []
         self.draft_in_step = False  # set by the scheduler: the runner drafts the next forest while verifying
         self.draft_next = params.num_speculative_tokens  # γ it drafts there (auto_depth: chosen per iteration)
+        # The deepest iteration its admission reserved request slots and KV blocks for: γ, or less for an
+        # auto_depth group admitted when γ's did not fit (engine.group_admission).
+        self.depth_cap = params.num_speculative_tokens
 
     @property
     def speculative(self) -> bool:
@@ -135,10 +138,10 @@ class BeamGroup:
 
     @property
     def max_draft_layers(self) -> int:
-        """The most draft layers the next iteration may have: γ, cut so that no draft reaches beyond
-        max_tokens (verification adds a token of its own)."""
+        """The most draft layers the next iteration may have: γ (or the group's ``depth_cap``), cut so that
+        no draft reaches beyond max_tokens (verification adds a token of its own)."""
         remaining = self.params.max_tokens - self.num_generated
-        return max(0, min(self.params.num_speculative_tokens, remaining - 1))
+        return max(0, min(self.depth_cap, remaining - 1))
 
     def start_iteration(self, num_draft_layers: int | None = None) -> StepEffects:
         """Begin an iteration with ``num_draft_layers`` (default and upper bound: ``max_draft_layers``).

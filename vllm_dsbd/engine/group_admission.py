@@ -63,24 +63,26 @@ class AdmissionMixin:
     def _admit_groups(self) -> None:
         """Queue the roots of waiting groups, FIFO, while request slots and KV blocks allow.
 
-        A group reserves ``W`` request slots and the KV blocks its ``W`` beams
-        may still need (prompt blocks shared); a group is always admitted when
-        no other group runs, so an oversized one is not starved. The auto_depth
-        groups among them look ahead at their first iteration once all are in:
+        A group reserves the request slots and KV blocks of its deepest
+        iteration (prompt blocks shared); a group is always admitted when no
+        other group runs, so an oversized one is not starved. An auto_depth group
+        is admitted with the deepest γ that fits while leaving room for the beam
+        steps of the auto_depth groups waiting behind it (else with the deepest
+        that fits at all, 0 at least): under load its policy mostly chooses beam
+        steps anyway, and reserving γ for each kept the later ones waiting. The
+        auto_depth groups look ahead at their first iteration once all are in:
         groups admitted together share their steps.
         """
         looking_ahead = []
+        waiting = [self.groups[gid] for gid in self._admission]
+        behind = [sum(self._room(g, 0)[i] for g in waiting if g.params.auto_depth) for i in (0, 1)]
         while self._admission:
             group = self.groups[self._admission[0]]
+            if group.params.auto_depth:  # not behind itself
+                behind = [b - r for b, r in zip(behind, self._room(group, 0))]
             admitted = list(self._admitted_groups())
-            if admitted:
-                num_beam_slots = sum(self._slots(g) for g in admitted)
-                num_plain = sum(1 for r in self.running if r.request_id not in self._beam_group)
-                if num_plain + num_beam_slots + self._slots(group) > self.max_num_running_reqs:
-                    break
-                free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-                if free - sum(self._blocks_to_reserve(g) for g in admitted) < self._blocks_to_reserve(group):
-                    break
+            if admitted and not self._fits(group, admitted, behind):
+                break
             self._admission.popleft()
             root = group.beams[0].request
             self.requests[root.request_id] = root
@@ -96,16 +98,38 @@ class AdmissionMixin:
             for group in looking_ahead:
                 self._start_without_prefill(group)
 
+    def _fits(self, group: BeamGroup, admitted: list[BeamGroup], behind: list[int]) -> bool:
+        """Whether ``group`` fits beside the ``admitted`` groups; an auto_depth group may fit with a lower
+        ``depth_cap`` (set: the deepest that leaves ``behind``, the request slots and KV blocks of the beam
+        steps of those waiting, free, else the deepest that fits)."""
+        num_plain = sum(1 for r in self.running if r.request_id not in self._beam_group)
+        free = (self.max_num_running_reqs - num_plain - sum(self._slots(g) for g in admitted),
+                self.kv_cache_manager.block_pool.get_num_free_blocks()
+                - sum(self._blocks_to_reserve(g) for g in admitted))
+        gamma = group.params.num_speculative_tokens
+        caps = range(gamma, -1, -1) if group.params.auto_depth else [gamma]
+        for room in ((free[0] - behind[0], free[1] - behind[1]), free):
+            for cap in caps:
+                slots, blocks = self._room(group, cap)
+                if slots <= room[0] and blocks <= room[1]:
+                    group.depth_cap = cap
+                    return True
+        return False
+
+    def _room(self, group: BeamGroup, depth_cap: int) -> tuple[int, int]:
+        """(request slots, KV blocks) ``group`` reserves with ``depth_cap``."""
+        return request_slots(group.params.beam_width, depth_cap), self._blocks_to_reserve(group, depth_cap)
+
     @staticmethod
     def _slots(group: BeamGroup) -> int:
-        return request_slots(group.params.beam_width, group.params.num_speculative_tokens)
+        return request_slots(group.params.beam_width, group.depth_cap)
 
-    def _blocks_to_reserve(self, group: BeamGroup) -> int:
+    def _blocks_to_reserve(self, group: BeamGroup, depth_cap: int | None = None) -> int:
         """KV blocks a group may still claim: W beams growing to max_tokens, plus a tail copy each
-        (with speculation: the blocks of W draft nodes and W (γ + 1) paths besides)."""
+        (with speculation, up to its ``depth_cap``: the blocks of W draft nodes and W (γ + 1) paths besides)."""
         block_size = self.block_size
         remaining = group.params.max_tokens - group.num_generated
-        width, gamma = group.params.beam_width, group.params.num_speculative_tokens
+        width, gamma = group.params.beam_width, group.depth_cap if depth_cap is None else depth_cap
         blocks = width * (math.ceil(remaining / block_size) + 1)
         if gamma:
             blocks += width * (gamma + 2) * (math.ceil(gamma / block_size) + 1)
