@@ -114,7 +114,7 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
         # auto_depth: γ per iteration from the measured cost of this engine's steps (algorithm.depth).
         self._depth = DepthPolicy()
         # (start, kind) of the step in flight; kind: "draft", "target", or "prompt" (a target step computing
-        # prompt tokens: not fitted, see _step_kind)
+        # prompt tokens: not fitted, see _target_kind)
         self._step_timing: tuple[float, str] | None = None
         self._group_seconds = 0.0  # of that step, the runner's verifying and in-step drafting (costed on their own)
         self._step_tokens: dict[str, int] = {}  # tokens per request of the last target step with groups
