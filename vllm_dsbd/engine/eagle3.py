@@ -25,22 +25,28 @@ def head_architecture(hf_config: Any) -> str | None:
     return next((a for a in archs if "eagle3" in a.lower()), None)
 
 
+def draft_targets(d2t: torch.Tensor) -> torch.Tensor:
+    """The target token id of each draft id ``i``: ``i + d2t[i]`` (vLLM's draft-to-target offsets)."""
+    return torch.arange(d2t.shape[0], device=d2t.device) + d2t.detach().long()
+
+
+def _head_targets(head: Any) -> torch.Tensor | None:
+    d2t = getattr(head, "draft_id_to_target_id", None)
+    return None if d2t is None else draft_targets(d2t)
+
+
 def draft_vocabulary(head: Any) -> torch.Tensor | None:
     """The target token ids a head can propose, ascending: ``i + d2t[i]`` for each draft id ``i`` (vLLM's
     ``compute_logits`` gives every other token the logit -inf); None for a head over the whole vocabulary."""
-    d2t = getattr(head, "draft_id_to_target_id", None)
-    if d2t is None:
-        return None
-    return (torch.arange(d2t.shape[0], device=d2t.device) + d2t.detach()).sort().values
+    targets = _head_targets(head)
+    return None if targets is None else targets.sort().values
 
 
 def draft_vocabulary_order(head: Any) -> torch.Tensor | None:
     """The draft ids of a head's draft vocabulary in the order of :func:`draft_vocabulary` (ascending target
     ids), for :func:`draft_vocabulary_logits`; None for a head over the whole vocabulary."""
-    d2t = getattr(head, "draft_id_to_target_id", None)
-    if d2t is None:
-        return None
-    return (torch.arange(d2t.shape[0], device=d2t.device) + d2t.detach()).argsort()
+    targets = _head_targets(head)
+    return None if targets is None else targets.argsort()
 
 
 def draft_vocabulary_logits(head: Any, hidden_states: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -140,7 +146,7 @@ def check_head(head_config: Any, target_config: Any, head_dir: str | None) -> No
     vocab = target_config.vocab_size
     draft_vocab = getattr(head_config, "draft_vocab_size", None) or vocab
     if d2t is not None:
-        targets = torch.arange(d2t.shape[0]) + d2t.long()
+        targets = draft_targets(d2t)
         if (d2t.shape[0] != draft_vocab or int(targets.min()) < 0 or int(targets.max()) >= vocab
                 or targets.unique().numel() != d2t.shape[0]):
             raise ValueError(f"EAGLE-3 head {name}: its d2t map ({d2t.shape[0]} entries) must send each of its "
