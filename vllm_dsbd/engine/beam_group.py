@@ -400,7 +400,9 @@ class BeamGroup:
         keep = tail_length(self.params.stop)
         return tuple(tuple(b.tokens[-keep:]) for b in beams)
 
-    def plan(self) -> GroupStep:
+    def plan(self, draft_from: tuple[int, ...] | None = None) -> GroupStep:
+        """The group's beam step. ``draft_from`` (where each beam's head KV ends): the runner also draws the
+        next iteration's :attr:`draft_next` layers in this step (``engine.forest_draft``)."""
         return GroupStep(
             **self.decoding(),
             req_ids=tuple(b.request.request_id for b in self.beams),
@@ -408,6 +410,9 @@ class BeamGroup:
             seq_len=self.prompt_len + self.num_generated,
             num_logprobs=self.params.num_logprobs,
             tails=self.tails(self.beams),
+            draft_next=None if draft_from is None else self.draft_next,
+            max_tokens_left=self.params.max_tokens - self.num_generated,
+            draft_from=draft_from or (),
         )
 
     def apply(self, decision: GroupDecision) -> StepEffects:

@@ -44,8 +44,9 @@ class CommitMixin:
                     continue
                 decision = _decision(result, "decisions", step.group_id)
                 if group.speculative:  # an iteration without draft layers
+                    drafted = None if step.draft_next is None else decision.next_layers
                     self._commit_iteration(group, group.apply, decision, [], [], [len(decision.beams)], 0,
-                                           freed, group_outputs, result.timings.get(step.group_id))
+                                           freed, group_outputs, result.timings.get(step.group_id), drafted)
                 else:
                     self._carry_out(group, group.apply(decision), freed, group_outputs)
             for step in plan.verify_steps:
@@ -54,16 +55,19 @@ class CommitMixin:
                     decision = _decision(result, "verify_decisions", step.group_id)
                     self._commit_iteration(group, group.apply_verify, decision, decision.num_proposed,
                                            decision.num_accepted, decision.widths, decision.num_passed,
-                                           freed, group_outputs, result.timings.get(step.group_id))
+                                           freed, group_outputs, result.timings.get(step.group_id),
+                                           decision.next_layers)
         if freed:
             self.running = remove_all(self.running, freed)
 
     def _commit_iteration(self, group: BeamGroup, apply, decision, proposed: list[int], accepted: list[int],
                           widths: list[int], num_passed: int, freed: set[Request],
-                          group_outputs: dict[int, list[EngineCoreOutput]], timing: GroupTiming | None = None) -> None:
+                          group_outputs: dict[int, list[EngineCoreOutput]], timing: GroupTiming | None = None,
+                          drafted: list | None = None) -> None:
         """A verified DSBD iteration (``apply``: the group's commit of ``decision``); the next one starts.
         ``timing``: the runner's time deciding it (and drafting the next one inside that step), which
-        auto_depth costs on its own, not as the target step's."""
+        auto_depth costs on its own, not as the target step's. ``drafted``: the next iteration's layers drawn
+        in that step (``engine.forest_draft``; empty: it chose to draw none); None: not drawn there."""
         num_layers, width = len(group.layers), len(group.beams)
         own_tokens = self._step_tokens_of([pr.request for pr in group.path_requests])
         for pr in group.path_requests:  # the target computed every path up to its root's end
@@ -71,7 +75,6 @@ class CommitMixin:
         self._observe(proposed, accepted, widths, num_layers)
         self._depth.observe_iteration(_depth_key(group), group.group_id, num_layers, num_passed)
         self._carry_out(group, apply(decision), freed, group_outputs)
-        drafted = getattr(decision, "next_layers", None)  # None: not a verify step (a beam step)
         if timing is not None:
             self._group_seconds += timing.decide_seconds + timing.draft_seconds
             self._depth.observe_decision(width, sum(proposed), timing.decide_seconds)
@@ -120,9 +123,8 @@ class CommitMixin:
         """The beams' KV is complete up to their last token (``rewind``: up to the end; the last token
         is recomputed with the forest): the next DSBD iteration starts. ``own_tokens``: the group's tokens
         in the step just run (default: its beams'). ``drafted``: its draft layers, drawn by the runner in
-        the verify step just run (``engine.forest_draft``): the forest's paths are set up at once; empty
-        after a verify step that drew none (with auto_depth, γ 0 may have been chosen for it), None after
-        any other step."""
+        the step just run (``engine.forest_draft``): the forest's paths are set up at once; empty after a
+        step that drew none (with auto_depth, γ 0 may have been chosen for it), None after any other step."""
         if drafted:
             for b in group.beams:  # the runner wrote the head's KV of the verified tokens (forest_draft)
                 b.request.dsbd_draft = b.request.dsbd_target

@@ -270,9 +270,14 @@ class DSBDModelRunnerMixin:
             share = (time.perf_counter() - deciding) / max(len(plan.groups), 1)  # decided together
             result.timings = {step.group_id: GroupTiming(share) for step in plan.groups}
             for step in plan.groups:
-                tokens = beam_step.row_tokens(result.decisions[step.group_id], len(step.req_ids))
+                decision = result.decisions[step.group_id]
+                tokens = beam_step.row_tokens(decision, len(step.req_ids))
                 for rid, token in zip(step.req_ids, tokens):
                     _set_row(sampled, discard, req_index[rid], None if token is None else [token])
+                if step.draft_next:  # the next iteration's forest, in this step (engine.forest_draft)
+                    drafting = time.perf_counter()
+                    decision.next_layers = forest_draft.draft_after_beam_step(self, step, decision)
+                    result.timings[step.group_id].draft_seconds = time.perf_counter() - drafting
             for vs in plan.verify_steps:
                 rows = [req_index[rid] for rid in vs.path_req_ids]
                 path_logits = [logits[start[i]:start[i] + count[i]] for i in rows]

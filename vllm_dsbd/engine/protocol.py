@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 PLAN_ATTR = "dsbd_plan"
 RESULT_ATTR = "dsbd_result"
@@ -70,6 +70,12 @@ class GroupStep(GroupDecoding):
     scores: tuple[float, ...]  # [B] cumulative target log-probs S_b (tempered when temperature > 0)
     seq_len: int  # tokens per beam now: prompt + generated (equal for all beams)
     num_logprobs: int  # per chosen token: -1 nothing extra, 0 its own log-prob and rank, k > 0 also the top-k
+    draft_next: int | None = None
+    """An iteration of depth 0 (auto_depth with ``draft_in_step``): γ of the next iteration, whose layers the
+    runner draws right after this beam step (``engine.forest_draft``), cut to ``max_tokens_left``; 0: chosen
+    to be a beam step again. None: the next iteration is chosen after the step, as with draft steps."""
+    max_tokens_left: int = 0  # max_tokens - generated before this step (with draft_next)
+    draft_from: tuple[int, ...] = ()  # [B] with draft_next: where each beam's head KV ends (a position)
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,8 @@ class GroupDecision:
     group_id: str
     beams: list[BeamChoice]  # the new live beams, in their new beam order
     finished: list[BeamChoice]  # new finished hypotheses (their token ends them: EOS)
+    next_layers: list[DraftDecision] = field(default_factory=list)
+    """With ``GroupStep.draft_next``: the next iteration's draft layers, drawn from the new beams."""
 
 
 @dataclass
@@ -205,7 +213,7 @@ class GroupTiming:
     """The runner's own time on one group in a target step (auto_depth costs each on its own)."""
 
     decide_seconds: float = 0.0  # deciding its iteration: the verification, or its share of the beam steps
-    draft_seconds: float = 0.0  # drawing ``VerifyDecision.next_layers`` (draft_in_step)
+    draft_seconds: float = 0.0  # drawing ``next_layers`` of its decision (draft_in_step)
 
 
 @dataclass

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
+from vllm_dsbd.engine import forest_draft
 from vllm_dsbd.engine.beam_group import BeamGroup
-from vllm_dsbd.engine.protocol import StepPlan
+from vllm_dsbd.engine.protocol import GroupStep, StepPlan
 
 
 class PlanMixin:
@@ -73,7 +74,7 @@ class PlanMixin:
                     if r.request_id in scheduled and r.num_computed_tokens < r.num_tokens:
                         r.dsbd_target = r.num_computed_tokens
                 if len(done) == len(group.path_requests) and group.plain_iteration:
-                    plan.groups.append(group.plan())  # no draft layers: a beam step
+                    plan.groups.append(self._beam_step_plan(group))  # no draft layers: a beam step
                 elif len(done) == len(group.path_requests):
                     if group.draft_in_step and group.params.auto_depth:
                         group.draft_next = self._in_step_depth(group)
@@ -91,6 +92,19 @@ class PlanMixin:
                 if ready:
                     plan.started_group_ids.append(group.group_id)
         return plan if plan.groups or plan.verify_steps or plan.discard_req_ids else None
+
+    def _beam_step_plan(self, group: BeamGroup) -> GroupStep:
+        """An iteration of depth 0, a beam step. With auto_depth and ``draft_in_step`` it also draws the next
+        iteration's forest (its γ chosen now), when no beam's head KV misses more than
+        ``forest_draft.MAX_CHAIN`` tokens: a shallow iteration does not send the group back to draft steps."""
+        if not (group.draft_in_step and group.params.auto_depth):
+            return group.plan()
+        reach = tuple(getattr(b.request, "dsbd_draft", None) for b in group.beams)
+        last = group.prompt_len + group.num_generated - 1  # the beams' last token, which this step computes
+        if any(r is None or last - r > forest_draft.MAX_CHAIN for r in reach):
+            return group.plan()
+        group.draft_next = self._in_step_depth(group)
+        return group.plan(draft_from=reach)
 
     def _plan_draft(self, out: SchedulerOutput, drafting: list[BeamGroup]) -> StepPlan:
         scheduled = out.num_scheduled_tokens
