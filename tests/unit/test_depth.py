@@ -248,3 +248,23 @@ def test_the_runners_decisions_are_costed_per_group_once_timed():
         policy.observe_decision(width, 0, 0.2 + 0.01 * width)
     assert seconds(0) == pytest.approx(0.5 + 0.01 * 16 + 0.2 + 0.01 * 4)
     assert choice() >= 1
+
+
+def test_depth_zero_waits_until_depth_one_would_not_pay_even_with_a_hopeful_alpha():
+    """A group of an engine whose draft passes 45 % of its layers fails its first layers: by its mean α
+    depth 0 wins after one failure (the look-ahead's choice), and at depth 0 it would learn nothing more.
+    It drafts one layer while α one standard deviation higher makes that pay (two failures here), then
+    depth 0. Without the hope (``hope=0``) it stops after the first failure."""
+    def choices(hope: float) -> list[tuple[int, int]]:
+        policy = _policy(0.002, target_per_token=0.02)
+        policy.hope = hope
+        for k in range(100):
+            policy.observe_iteration(KEY, f"other{k % 10}", 1, 1 if k % 20 < 9 else 0)
+        out = []
+        for _ in range(6):
+            out.append((policy.choose(KEY, "g", 3, 4, 4, probe=False), policy.choose(KEY, "g", 3, 4, 4)))
+            policy.observe_iteration(KEY, "g", 1, 0)
+        return out
+
+    assert choices(1.0) == [(1, 1), (0, 1), (0, 1), (0, 0), (0, 0), (0, 0)]
+    assert choices(0.0) == [(1, 1)] + [(0, 0)] * 5

@@ -56,7 +56,12 @@ the target's fit). Until such a drafting was timed, the draft steps' cost
 stands in for it.
 
 Exploration: a γ never tried tells nothing about itself. Until the draft's
-cost has been measured the policy drafts one layer; while the model says
+cost has been measured the policy drafts one layer. A group's α is an
+estimate from a few iterations, and while it chooses γ = 0 it learns nothing
+more: a few unlucky layers would keep a good draft idle. So γ = 0 is chosen
+only if γ = 1 would not pay even with α ``hope`` standard deviations higher
+(the group's estimate counts ``prior_weight`` + its own trials); else one
+layer is drafted, which tells. While the model says
 γ = 0, it drafts one layer anyway once at least ``probe_interval`` such
 choices were made *and* the probe's extra cost (the draft catching up on
 every token it has not seen, which grows while γ = 0) is at most
@@ -187,6 +192,7 @@ class DepthPolicy:
     max_probe_interval: int = 64
     probe_budget: float = 0.02  # the most a probe's extra cost may be, as a share of the depth-0 time before it
     margin: float = 0.15  # speculating is taken to cost this share more than modelled (deeper forests do)
+    hope: float = 1.0  # depth 0 only when depth 1 does not pay with α this many standard deviations higher
     draft: LinearCost = field(default_factory=LinearCost)
     target: LinearCost = field(default_factory=LinearCost)
     in_step: LinearCost = field(default_factory=LinearCost)  # seconds of drawing W γ draft nodes in a verify step
@@ -224,11 +230,15 @@ class DepthPolicy:
     def forget(self, group_id: str) -> None:
         self._groups.pop(group_id, None)
 
-    def alpha(self, key: object, group_id: str) -> float:
+    def alpha(self, key: object, group_id: str, hope: float = 0.0) -> float:
+        """The group's α: its own outcomes shrunk toward the engine's for its decoding kind; ``hope`` standard
+        deviations of that estimate above it (at most 1)."""
         engine = self._engine.get(key, AcceptanceStats())
         prior = (engine.passed + 1.0) / (engine.trials + 2.0)
         group = self._groups.get(group_id, AcceptanceStats())
-        return (group.passed + self.prior_weight * prior) / (group.trials + self.prior_weight)
+        trials = group.trials + self.prior_weight
+        alpha = (group.passed + self.prior_weight * prior) / trials
+        return min(1.0, alpha + hope * (alpha * (1 - alpha) / (trials + 1)) ** 0.5)
 
     def choose(self, key: object, group_id: str, max_depth: int, width: int, draft_lag: int,
                probe: bool = True, batch: Batch = ALONE, in_step: bool = False) -> int:
@@ -245,7 +255,7 @@ class DepthPolicy:
         in_step_cost = self.in_step if in_step else None
         plain_seconds = iteration_seconds(0, width, draft_lag, self.draft, self.target, batch, decide=self.decide)
 
-        def rate(depth: int) -> float:  # speculating is taken to cost ``margin`` more than modelled
+        def rate(depth: int, alpha: float = alpha) -> float:  # speculating is taken to cost ``margin`` more
             extra = iteration_seconds(depth, width, draft_lag, self.draft, self.target, batch,
                                       in_step_cost, self.decide, self.verify) - plain_seconds
             return (others + expected_tokens(alpha, depth)) / (plain_seconds + (1 + self.margin) * extra)
@@ -257,6 +267,9 @@ class DepthPolicy:
             self._zero_choices[key], self._zero_seconds[key] = 0, 0.0
             self._intervals[key] = self.probe_interval
             return best
+        hopeful = self.alpha(key, group_id, self.hope)
+        if rate(1, hopeful) > rate(0, hopeful):  # depth 0 on a plausibly unlucky estimate: look again
+            return 1
         count = self._zero_choices.get(key, 0) + 1 / batch.streams
         spent = self._zero_seconds.get(key, 0.0) + plain_seconds / batch.streams
         interval = self._intervals.get(key, self.probe_interval)

@@ -151,8 +151,10 @@ class CommitMixin:
     def _in_step_depth(self, group: BeamGroup) -> int:
         """auto_depth with ``draft_in_step``: γ of the group's next iteration, chosen one iteration ahead, as
         its verify step is planned, since the runner draws those layers in that step (no draft lag: the head
-        reads the verified tokens there)."""
-        return self._depth.choose(_depth_key(group), group.group_id, group.max_draft_layers, len(group.beams), 0,
+        reads the verified tokens there). Its width: the beams' now, but W after the first iteration (its one
+        root becomes up to W beams)."""
+        width = len(group.beams) if group.num_generated else group.params.beam_width
+        return self._depth.choose(_depth_key(group), group.group_id, group.max_draft_layers, width, 0,
                                   batch=self._batch_of(group, self._step_tokens_of(group.requests())), in_step=True)
 
     def _step_tokens_of(self, requests) -> int:
