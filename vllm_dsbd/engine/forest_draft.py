@@ -19,7 +19,9 @@ shallow iteration never sends the group back to draft steps. The head runs on *f
   step (``step + 1``, the same layer numbers), and the joints go to the runner's ``DraftStore``.
 
 The scheduler then sets up the paths of the next forest at once (``BeamGroup.apply_drafted``). A request's
-first iteration still drafts in draft steps, which also compute the head KV of its prompt.
+first iteration drafts in draft steps, which also compute the head KV of its prompt, unless it is an
+``auto_depth`` request whose prompt fits ``MAX_CHAIN``: its first iteration is a beam step whose chain is the
+prompt.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ from vllm_dsbd.engine import eagle3, forest_attention, spec_step
 from vllm_dsbd.engine.protocol import (DraftDecision, DraftStep, GroupDecision, GroupDecoding, GroupStep,
                                        VerifyDecision, VerifyStep, first_path_through)
 
-MAX_CHAIN = 16
+MAX_CHAIN = 256
 """A beam step draws the next forest only when each beam's head KV misses at most this many tokens (the
-scheduler checks; a prompt's, for one, is computed by draft steps)."""
+scheduler checks): a few after an iteration of depth 0, the whole prompt at a group's first beam step."""
 
 
 @dataclass

@@ -19,7 +19,7 @@ from vllm.v1.outputs import LogprobsLists
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_dsbd.algorithm.depth import Batch
-from vllm_dsbd.engine import metrics
+from vllm_dsbd.engine import forest_draft, metrics
 from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams, Hypothesis
 from vllm_dsbd.engine.group_effects import Extend, Fork, Free, PathRequest, StepEffects
 from vllm_dsbd.engine.protocol import GroupTiming, StepPlan
@@ -45,6 +45,9 @@ class CommitMixin:
                 decision = _decision(result, "decisions", step.group_id)
                 if group.speculative:  # an iteration without draft layers
                     drafted = None if step.draft_next is None else decision.next_layers
+                    if step.draft_from and min(step.draft_from) == 0 and step.group_id in result.timings:
+                        # the head's KV of the prompt came first: no cost of drafting a forest (a prompt step)
+                        result.timings[step.group_id].draft_seconds = 0.0
                     self._commit_iteration(group, group.apply, decision, [], [], [len(decision.beams)], 0,
                                            freed, group_outputs, result.timings.get(step.group_id), drafted)
                 else:
@@ -179,10 +182,14 @@ class CommitMixin:
     def _start_without_prefill(self, group: BeamGroup) -> None:
         """auto_depth: a group whose first iteration gets depth 0 starts it at once, so the target step
         that computes its prompt also takes its first beam step (else a prefill step computes the prompt
-        and samples nothing, and the first iteration recomputes its last token with the forest)."""
+        and samples nothing, and the first iteration recomputes its last token with the forest). With
+        ``draft_in_step`` and a prompt of at most ``forest_draft.MAX_CHAIN`` tokens it always does: that beam
+        step also computes the head's KV of the prompt and draws the second iteration's forest, where draft
+        steps would have to catch the head up on the prompt first."""
         root = group.beams[0].request
-        if self._depth.choose(_depth_key(group), group.group_id, group.max_draft_layers, 1, root.num_tokens,
-                              probe=False, batch=self._batch_of(group, 0)):
+        in_step = group.draft_in_step and root.num_tokens - 1 <= forest_draft.MAX_CHAIN
+        if not in_step and self._depth.choose(_depth_key(group), group.group_id, group.max_draft_layers, 1,
+                                              root.num_tokens, probe=False, batch=self._batch_of(group, 0)):
             return
         root.dsbd_target = root.dsbd_draft = 0
         self._carry_out(group, group.start_iteration(0), set(), {})
