@@ -45,11 +45,11 @@ class CommitMixin:
                 decision = _decision(result, "decisions", step.group_id)
                 if group.speculative:  # an iteration without draft layers
                     drafted = None if step.draft_next is None else decision.next_layers
-                    if step.draft_from and min(step.draft_from) == 0 and step.group_id in result.timings:
-                        # the head's KV of the prompt came first: no cost of drafting a forest (a prompt step)
-                        result.timings[step.group_id].draft_seconds = 0.0
+                    timing = result.timings.get(step.group_id)
+                    if timing is not None and step.draft_from and min(step.draft_from) == 0:
+                        timing = GroupTiming(timing.decide_seconds)  # the prompt's head KV: no forest's cost
                     self._commit_iteration(group, group.apply, decision, [], [], [len(decision.beams)], 0,
-                                           freed, group_outputs, result.timings.get(step.group_id), drafted)
+                                           freed, group_outputs, timing, drafted)
                 else:
                     self._carry_out(group, group.apply(decision), freed, group_outputs)
             for step in plan.verify_steps:
