@@ -69,18 +69,20 @@ def _profile_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
             for kind, values in after.items() if values["steps"] > before.get(kind, {}).get("steps", 0)}
 
 
-def _rows(gammas: list[int], temperature: float, auto: int,
-          in_step: list[bool]) -> list[tuple[str, int, bool, bool, bool]]:
-    """(name, γ (the maximum with auto), fixed width, auto_depth, draft_in_step) of every row; γ = 0 (the
-    baseline) first. Every DSBD row comes once per ``in_step`` mode."""
+def _rows(gammas: list[int], temperature: float, auto: int, in_step: list[bool],
+          scales: list[float]) -> list[tuple[str, int, bool, bool, bool, float]]:
+    """(name, γ (the maximum with auto), fixed width, auto_depth, draft_in_step, draft_temperature_scale) of
+    every row; γ = 0 (the baseline) first. Every DSBD row comes once per ``in_step`` mode and, at T > 0, once
+    per draft temperature scale."""
     widths = [True] if temperature == 0 else [True, False]
-    rows = [("in-engine", 0, True, False, False)]
+    scales = scales if temperature > 0 else [1.0]
+    rows = [("in-engine", 0, True, False, False, 1.0)]
     for gamma in (g for g in gammas if g > 0):
-        rows += [("dsbd-fixed" if fixed else "dsbd-dynamic", gamma, fixed, False, mode)
-                 for fixed in widths for mode in in_step]
+        rows += [("dsbd-fixed" if fixed else "dsbd-dynamic", gamma, fixed, False, mode, scale)
+                 for fixed in widths for mode in in_step for scale in scales]
     if auto:
-        rows += [("dsbd-auto-fixed" if fixed else "dsbd-auto-dynamic", auto, fixed, True, mode)
-                 for fixed in widths for mode in in_step]
+        rows += [("dsbd-auto-fixed" if fixed else "dsbd-auto-dynamic", auto, fixed, True, mode, scale)
+                 for fixed in widths for mode in in_step for scale in scales]
     return rows
 
 
@@ -128,6 +130,7 @@ def run(args: argparse.Namespace) -> dict:
         "settings": {"pair": args.pair, "target": target, "drafts": drafts, "width": args.width, "gammas": gammas,
                      "auto_depth_rows": args.auto, "temperatures": temperatures, "width_threshold": args.tau,
                      "draft_vocab_sizes": vocab_sizes, "draft_in_step": args.draft_in_step,
+                     "draft_temperature_scales": [float(s) for s in args.draft_temperature_scales.split(",")],
                      "max_tokens": args.max_tokens, "num_prompts": len(prompts),
                      "prompt_ids": [p.id for p in prompts],
                      "batch": "all prompts" if args.batch == "all" else "1 (prompts one after another)",
@@ -141,8 +144,10 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _label(row: dict) -> str:
-    """A row's method, marked when its engine drafts inside the verify step."""
-    return row["method"] + (" in-step" if row.get("draft_in_step") else "")
+    """A row's method, marked when its engine drafts inside the verify step and with its draft's temperature
+    scale when not 1."""
+    scale = row.get("draft_temperature_scale", 1.0)
+    return row["method"] + (" in-step" if row.get("draft_in_step") else "") + (f" q-T x{scale:g}" if scale != 1 else "")
 
 
 def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft, vocab_size, baselines,
@@ -150,9 +155,9 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft,
     """Every row of one engine (one draft and draft_vocab_size); the in-engine baseline only ``with_baseline``."""
     from vllm import SamplingParams
 
-    def decode(gamma, temperature, fixed, auto, in_step_row, max_tokens, batch):
+    def decode(gamma, temperature, fixed, auto, in_step_row, scale, max_tokens, batch):
         extra = {"beam_width": args.width, "num_speculative_tokens": gamma, "width_threshold": args.tau,
-                 "auto_depth": auto}
+                 "auto_depth": auto, "draft_temperature_scale": scale}
         if fixed:
             extra["fixed_width"] = True
         if args.draft_in_step != "off":  # the engine drafts in the verify step unless the request turns it off
@@ -162,21 +167,23 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft,
         return llm.generate(batch, params, use_tqdm=False)
 
     rows = []
+    scales = [float(s) for s in args.draft_temperature_scales.split(",")]
     for temperature in temperatures:
-        specs = [spec for spec in _rows(gammas, temperature, auto_max, in_step) if spec[1] > 0 or with_baseline]
-        for _, gamma, fixed, auto, in_step_row in specs:
-            decode(gamma, temperature, fixed, auto, in_step_row, 4, inputs[:1])  # warm-up
+        specs = [spec for spec in _rows(gammas, temperature, auto_max, in_step, scales)
+                 if spec[1] > 0 or with_baseline]
+        for _, gamma, *knobs in specs:
+            decode(gamma, temperature, *knobs, 4, inputs[:1])  # warm-up
         # Interleaved: each batch runs every row in turn, so a drift of the machine's speed during the
         # run (seen here: ~10 % over half an hour) hits every row alike instead of the later rows.
         runs = {spec: {"secs": 0.0, "out": [], "counters": dict.fromkeys(COUNTERS, 0.0), "profile": {}}
                 for spec in specs}
         for batch in batches:
             for spec in specs:
-                _, gamma, fixed, auto, in_step_row = spec
+                _, gamma, *knobs = spec
                 run = runs[spec]
                 before, profile_before = _counters(llm), _profile(llm)
                 start = time.perf_counter()
-                run["out"] += decode(gamma, temperature, fixed, auto, in_step_row, args.max_tokens, batch)
+                run["out"] += decode(gamma, temperature, *knobs, args.max_tokens, batch)
                 run["secs"] += time.perf_counter() - start
                 after = _counters(llm)
                 for k in COUNTERS:
@@ -186,13 +193,13 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft,
                     for k, v in values.items():
                         total[k] += v
         for spec in specs:
-            name, gamma, fixed, auto, in_step_row = spec
+            name, gamma, fixed, auto, in_step_row, scale = spec
             run = runs[spec]
             secs, out, profile = run["secs"], run["out"], run["profile"]
             tokens = [[list(c.token_ids) for c in o.outputs] for o in out]
             forward_s = sum(p["forward_s"] for p in profile.values())
             row = {"method": name, "gamma": gamma, "auto_depth": auto, "temperature": temperature,
-                   "draft_in_step": in_step_row,
+                   "draft_in_step": in_step_row, "draft_temperature_scale": scale,
                    "draft": Path(draft).name if gamma else None, "draft_vocab_size": vocab_size if gamma else 0,
                    "wall_s": secs,
                    **run["counters"], "step_profile": profile,
@@ -231,13 +238,14 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(s["temperatures"]), figsize=(5 * len(s["temperatures"]), 4), squeeze=False)
     for ax, temperature in zip(axes[0], s["temperatures"]):
         rows = [r for r in result["results"] if r["temperature"] == temperature]
-        engines = sorted({(r.get("draft"), r.get("draft_vocab_size", 0), bool(r.get("draft_in_step")))
-                          for r in rows if r["gamma"]}, key=str)
-        for draft, vocab, in_step in engines:
+        engines = sorted({(r.get("draft"), r.get("draft_vocab_size", 0), bool(r.get("draft_in_step")),
+                           r.get("draft_temperature_scale", 1.0)) for r in rows if r["gamma"]}, key=str)
+        for draft, vocab, in_step, scale in engines:
             suffix = ((f", {draft}" if len({e[0] for e in engines}) > 1 else "")
-                      + (f", draft vocab {vocab}" if vocab else "") + (", in-step" if in_step else ""))
+                      + (f", draft vocab {vocab}" if vocab else "") + (", in-step" if in_step else "")
+                      + (f", q at T x{scale:g}" if scale != 1 else ""))
             mine = [r for r in rows if r.get("draft") == draft and r.get("draft_vocab_size", 0) == vocab
-                    and bool(r.get("draft_in_step")) == in_step]
+                    and bool(r.get("draft_in_step")) == in_step and r.get("draft_temperature_scale", 1.0) == scale]
             for name, marker in (("dsbd-fixed", "o"), ("dsbd-dynamic", "s")):
                 pts = [(r["gamma"], r["speedup_vs_in_engine"]) for r in mine if r["method"] == name]
                 if pts:
@@ -286,6 +294,9 @@ def main() -> None:
                         help="the knob draft_in_step (an EAGLE-3 head drafts each forest inside the verify step "
                              "before it); both: one engine with it, every fixed-depth DSBD row run with it and "
                              "without it (per request), in turn")
+    parser.add_argument("--draft-temperature-scales", default="1",
+                        help="the knob draft_temperature_scale (the draft samples at T x this), comma-separated: "
+                             "every DSBD row at T > 0 once per value, in turn")
     parser.add_argument("--omp-bind", default=None,
                         help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. 0-1: the worker on both cores of a "
                              "2-core machine; default: the environment's, else vLLM's auto)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 import vllm_dsbd
@@ -116,7 +118,22 @@ def test_engine_side_params_cap_max_tokens_by_max_model_len():
     assert (beam.temperature, beam.top_k, beam.beam_width) == (0.7, 3, 2)
     _, unseeded = beam_requests.beam_params(sp(extra_args={"beam_width": 2}), ENGINE, prompt_len=3,
                                             max_model_len=64, default_seed=9)
-    assert unseeded.seed == 9 and unseeded.num_logprobs == -1
+    assert unseeded.seed == 9 and unseeded.num_logprobs == -1 and unseeded.draft_temperature_scale == 1.0
+
+
+def test_the_drafts_temperature_scale_reaches_every_step_of_the_group():
+    """``draft_temperature_scale``, engine-wide or per request, is in the group's params and in what its steps
+    tell the runner (``GroupDecoding``), where ``spec_step.draft_layer`` tempers the draft by it."""
+    from vllm_dsbd.engine.beam_group import BeamGroup
+
+    engine = DSBDConfig(beam_width=4, num_speculative_tokens=2, draft_temperature_scale=0.8)
+    _, wide = beam_requests.beam_params(sp(temperature=1.0, extra_args={"beam_width": 2}), engine, prompt_len=3,
+                                        max_model_len=64, default_seed=1)
+    _, own = beam_requests.beam_params(sp(temperature=1.0, extra_args={"draft_temperature_scale": 0.6}), engine,
+                                       prompt_len=3, max_model_len=64, default_seed=1)
+    assert (wide.draft_temperature_scale, own.draft_temperature_scale) == (0.8, 0.6)
+    group = BeamGroup("g", ["u"], 3, own, SimpleNamespace(request_id="r0"))
+    assert group.decoding()["draft_temperature_scale"] == 0.6
 
 
 def test_a_plain_request_on_an_mjsd_engine_becomes_an_mjsd_request_without_touching_the_users_params():

@@ -38,6 +38,10 @@ def test_defaults_follow_algorithm_md():
         ({"mjsd_tau": -0.1}, "mjsd_tau"),
         ({"mjsd_tau": float("inf")}, "mjsd_tau"),
         ({"mjsd_tau": "0.5"}, "mjsd_tau"),
+        ({"draft_temperature_scale": 0.0}, "draft_temperature_scale"),
+        ({"draft_temperature_scale": -1.0}, "draft_temperature_scale"),
+        ({"draft_temperature_scale": float("inf")}, "draft_temperature_scale"),
+        ({"draft_temperature_scale": "0.8"}, "draft_temperature_scale"),
     ],
 )
 def test_bad_knob_error_names_knob_value_and_range(knobs, knob):
@@ -108,6 +112,7 @@ def test_a_request_may_turn_draft_in_step_off_but_not_on():
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"auto_depth": True}, "auto_depth"),
     ({"memory_efficient": True}, "memory_efficient"),
+    ({"draft_temperature_scale": 0.8}, "draft_temperature_scale"),
 ])
 def test_mjsd_refuses_knobs_it_cannot_honour(knobs, knob):
     with pytest.raises(ValueError, match=rf"'decoder'='mjsd'.*'{knob}'.*allowed"):

@@ -87,6 +87,11 @@ class DSBDConfig:
     iteration of a request. Not for MJSD, memory-efficient or auto_depth requests, which draft in draft
     steps as before. Turned on for the engine (it sets the head up for it); a request may turn it off."""
 
+    draft_temperature_scale: float = 1.0
+    """At T > 0 the draft samples each layer at temperature T * this (below 1: sharper than the target).
+    Exact for any value: the target verifies against the distribution the draft drew from. A head that is
+    less confident than the target accepts more sharpened (docs/dsbd.md). Not for MJSD (1 only)."""
+
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, low=1)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, low=0)
@@ -109,6 +114,8 @@ class DSBDConfig:
             raise ValueError(f"DSBD knob 'decoder'={self.decoder!r} is invalid; allowed: "
                              f"{' or '.join(map(repr, DECODERS))}.")
         _check_float("mjsd_tau", self.mjsd_tau, low=0.0, high=math.inf, low_open=False)
+        _check_float("draft_temperature_scale", self.draft_temperature_scale, low=0.0, high=math.inf,
+                     low_open=True)
         if self.mjsd:
             if self.num_speculative_tokens == 0:
                 raise ValueError("DSBD knob 'decoder'='mjsd' needs draft steps: 'num_speculative_tokens' (γ) "
@@ -119,6 +126,10 @@ class DSBDConfig:
             if self.memory_efficient:
                 raise ValueError("DSBD knob 'decoder'='mjsd' carries one sequence already: "
                                  "'memory_efficient'=True is not supported with it; allowed: false.")
+            if self.draft_temperature_scale != 1.0:
+                raise ValueError(f"DSBD knob 'decoder'='mjsd' compares the draft's likelihood with the target's: "
+                                 f"'draft_temperature_scale'={self.draft_temperature_scale} is not supported "
+                                 f"with it; allowed: 1.0.")
         _check_float("length_penalty", self.length_penalty, low=0.0, high=math.inf, low_open=False)
 
     @property

@@ -122,14 +122,14 @@ def test_draft_equal_to_target_passes_every_layer():
     assert all(t[2] == t[3] == [2] * len(t[2]) for t in trace)  # every draft node accepted
 
 
-def assert_exact_fixed_width_sampling(target, draft, prompt, width, max_tokens, expected):
-    """4,000 seeded fixed-width DSBD runs (γ 2, T 1) are distributed as ``expected`` (exact beam sampling,
-    chi-square) and reject beam sampling with uniform parent weights (a planted bug)."""
+def assert_exact_fixed_width_sampling(target, draft, prompt, width, max_tokens, expected, **kw):
+    """4,000 seeded fixed-width DSBD runs (γ 2, T 1; ``kw``: more BeamParams) are distributed as ``expected``
+    (exact beam sampling, chi-square) and reject beam sampling with uniform parent weights (a planted bug)."""
     samples = []
     for seed in range(4000):
         hyps = run_dsbd(target, draft, prompt, params(beam_width=width, n=width, max_tokens=max_tokens,
                                                       temperature=1.0, ignore_eos=True, eos_token_id=None,
-                                                      num_speculative_tokens=2, seed=seed))
+                                                      num_speculative_tokens=2, seed=seed, **kw))
         samples.append(tuple(sorted(h.tokens for h in hyps)))
     assert chi2_pvalue(samples, expected) > 1e-3
     wrong = exact_beam_sampling(target, tuple(prompt), width, max_tokens, temperature=1.0, ignore_eos=True,
@@ -162,6 +162,29 @@ def test_a_draft_restricted_to_the_low_token_ids_keeps_dsbd_exact():
     expected = exact_beam_sampling(target, tuple(prompt), width, max_tokens, temperature=1.0, ignore_eos=True)
     assert sum(p for seq, p in expected.items() if any(3 in beam for beam in seq)) > 0.3
     assert_exact_fixed_width_sampling(target, draft, prompt, width, max_tokens, expected)
+
+
+def test_a_draft_sampled_at_another_temperature_keeps_dsbd_exact():
+    """``draft_temperature_scale``: each draft layer is drawn at T * scale, its Q recorded as such (the same
+    draws and joint as a draft step at that temperature, not those at T), and fixed-width DSBD stays exact
+    beam sampling (4,000 seeds, chi-square; the planted uniform-parent bug is rejected)."""
+    from vllm_dsbd.engine.protocol import DraftStep
+
+    logits = torch.randn((2, 50), generator=torch.Generator().manual_seed(0))
+    ds = DraftStep(group_id="g", beam_width=3, temperature=0.8, top_k=0, top_p=1.0, length_penalty=1.0,
+                   ignore_eos=False, eos_token_id=0, seed=1, step=2, layer=1, req_ids=("a", "b"), slots=(0, 2),
+                   scores=(-0.5, -1.0), seq_len=4, draft_temperature_scale=0.5)
+    rows = {"a": 0, "b": 1}
+    decision, q = draft_layer(logits, rows, ds)
+    at_04 = draft_layer(logits, rows, dataclasses.replace(ds, temperature=0.4, draft_temperature_scale=1))
+    assert decision.tokens == at_04[0].tokens and decision.parents == at_04[0].parents and torch.equal(q, at_04[1])
+    assert not torch.allclose(q, draft_layer(logits, rows, dataclasses.replace(ds, draft_temperature_scale=1))[1])
+
+    target = random_markov(4, order=2, seed=11)
+    draft = perturbed_draft(target, 0.5, seed=12)
+    prompt, width, max_tokens = [1], 2, 4
+    expected = exact_beam_sampling(target, tuple(prompt), width, max_tokens, temperature=1.0, ignore_eos=True)
+    assert_exact_fixed_width_sampling(target, draft, prompt, width, max_tokens, expected, draft_temperature_scale=0.5)
 
 
 def test_memory_efficient_mode_carries_one_beam_between_iterations():

@@ -85,6 +85,7 @@ class BeamParams:
     stop_token_ids: tuple[int, ...] = ()  # SamplingParams.stop_token_ids: finish like EOS, even with ignore_eos
     stop: tuple[str, ...] = ()  # SamplingParams.stop: a beam whose generated text reaches one finishes like EOS
     mjsd_tau: float | None = None  # MJSD (algorithm.mjsd): one sequence, K = beam_width draft beams; None: DSBD
+    draft_temperature_scale: float = 1.0  # T > 0: the draft samples at temperature * this
 
     @property
     def finishing_token(self) -> int | None:
@@ -391,7 +392,7 @@ class BeamGroup:
         return dict(group_id=self.group_id, beam_width=p.beam_width, temperature=p.temperature, top_k=p.top_k,
                     top_p=p.top_p, length_penalty=p.length_penalty, ignore_eos=p.ignore_eos,
                     eos_token_id=p.eos_token_id, stop_token_ids=p.stop_token_ids, seed=p.seed, step=self.step,
-                    stop=p.stop)
+                    stop=p.stop, draft_temperature_scale=p.draft_temperature_scale)
 
     def tails(self, beams: list[Beam]) -> tuple[tuple[int, ...], ...]:
         """The last generated tokens of ``beams`` the runner needs to check stop strings (none without)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 PLAN_ATTR = "dsbd_plan"
 RESULT_ATTR = "dsbd_result"
@@ -60,6 +60,7 @@ class GroupDecoding:
     VerifyStep: of each root slot) or of each parent node (DraftStep: unused)."""
     seed: int  # with `step`, seeds the group's generator (the same on every tensor-parallel rank)
     step: int  # the group's beam step (GroupStep) or DSBD iteration (DraftStep, VerifyStep)
+    draft_temperature_scale: float = field(default=1.0, kw_only=True)  # T > 0: the draft samples at T * this
 
 
 @dataclass(frozen=True)

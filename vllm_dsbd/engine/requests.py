@@ -217,4 +217,5 @@ def beam_params(params: Any, engine: DSBDConfig, *, prompt_len: int, max_model_l
         memory_efficient=config.memory_efficient,
         auto_depth=config.auto_depth,
         mjsd_tau=config.mjsd_tau if config.mjsd else None,
+        draft_temperature_scale=config.draft_temperature_scale,
     )

@@ -80,7 +80,8 @@ class DraftStore:
 
 def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, support: Tensor | None = None,
                 vocab_size: int | None = None) -> tuple[DraftDecision, Tensor | None]:
-    """The W nodes of draft layer ``ds.layer`` and, for ``T > 0``, the joint ``Q`` they were drawn from.
+    """The W nodes of draft layer ``ds.layer`` and, for ``T > 0``, the joint ``Q`` they were drawn from (the
+    draft's logits tempered by ``T * ds.draft_temperature_scale``).
 
     logits: [num_rows, V] draft logits of this step's rows. support: the ascending token ids the draft can
     propose (every other logit is -inf: an EAGLE-3 head's draft vocabulary, ``draft_vocab_size``), or None
@@ -104,7 +105,7 @@ def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, suppor
     if ds.temperature > 0:
         columns = parent_logits if support is None or vocab_size is not None else parent_logits[:, support]
         lp = torch.zeros((width, columns.shape[-1]))
-        lp[slots] = tempered_logprobs(columns, ds.temperature)
+        lp[slots] = tempered_logprobs(columns, ds.temperature * ds.draft_temperature_scale)
         q = joint_probs(scores, valid, lp[None], torch.tensor([ds.top_k]), torch.tensor([ds.top_p]))  # [1, W*K]
         draws = sample_joint(q, width, generator(ds.seed, ds.step, ds.layer, logits.device))[0]
         parents, columns_drawn = draws // lp.shape[-1], draws % lp.shape[-1]
