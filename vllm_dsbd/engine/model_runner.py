@@ -42,7 +42,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_dsbd.config import DSBDConfig
-from vllm_dsbd.engine import beam_step, draft_head, eagle3, forest_attention, forest_draft, mjsd_step, spec_step
+from vllm_dsbd.engine import beam_step, cpu_memory, draft_head, eagle3, forest_attention, forest_draft, mjsd_step, spec_step
 from vllm_dsbd.engine.protocol import (PLAN_ATTR, RESULT_ATTR, GroupTiming, StepPlan, StepResult, first_path_through,
                                        layer_slot)
 from vllm_dsbd.engine.stops import StopCheckers
@@ -438,7 +438,9 @@ def _path_row_tokens(vs, decision) -> list[list[int] | None]:
 
 
 class DSBDCPUModelRunner(DSBDModelRunnerMixin, CPUModelRunner):
-    pass
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        cpu_memory.keep_freed_memory()  # each step's decision buffers reuse the heap, not fresh pages
 
 
 class DSBDGPUModelRunner(DSBDModelRunnerMixin, GPUModelRunner):
