@@ -138,8 +138,8 @@ def _draw(runner, group: GroupDecoding, layers: int, beams: list[tuple[Chain, in
             group_id=group.group_id, beam_width=group.beam_width, temperature=group.temperature,
             top_k=group.top_k, top_p=group.top_p, length_penalty=group.length_penalty, ignore_eos=group.ignore_eos,
             eos_token_id=group.eos_token_id, stop_token_ids=group.stop_token_ids, stop=group.stop, seed=group.seed,
-            draft_temperature_scale=group.draft_temperature_scale, step=group.step + 1, layer=layer, req_ids=tuple(str(s) for s in slots), slots=tuple(slots),
-            scores=tuple(scores), seq_len=first + layer)
+            draft_temperature_scale=group.draft_temperature_scale, step=group.step + 1, layer=layer,
+            req_ids=tuple(str(s) for s in slots), slots=tuple(slots), scores=tuple(scores), seq_len=first + layer)
         support = runner._dsbd_support if order is not None else runner._draft_support(logits)
         chosen, joint = spec_step.draft_layer(logits, {str(s): r for r, s in enumerate(slots)}, ds, support, vocab)
         if joint is not None:

@@ -42,7 +42,8 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_dsbd.config import DSBDConfig
-from vllm_dsbd.engine import beam_step, cpu_memory, draft_head, eagle3, forest_attention, forest_draft, mjsd_step, spec_step
+from vllm_dsbd.engine import (beam_step, cpu_memory, draft_head, eagle3, forest_attention, forest_draft, mjsd_step,
+                              spec_step)
 from vllm_dsbd.engine.protocol import (PLAN_ATTR, RESULT_ATTR, GroupTiming, StepPlan, StepResult, first_path_through,
                                        layer_slot)
 from vllm_dsbd.engine.stops import StopCheckers
