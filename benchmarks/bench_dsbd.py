@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> dict:
     drafts = args.draft.split(",") if args.draft else [str(pair.draft)]
     gammas = [int(g) for g in args.gammas.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
+    scales = [float(s) for s in args.draft_temperature_scales.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = load_prompts(Path(args.prompts_file), args.num_prompts, tokenizer)
     inputs = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
                                        **knobs), disable_log_stats=False)
         # γ 0 runs no draft: the first engine's in-engine rows are every engine's baseline
         rows += _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft, vocab_size, baselines,
-                          with_baseline=engine_index == 0, in_step=in_step)
+                          with_baseline=engine_index == 0, in_step=in_step, scales=scales)
         llm.llm_engine.engine_core.shutdown()
         del llm
     return {
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> dict:
         "settings": {"pair": args.pair, "target": target, "drafts": drafts, "width": args.width, "gammas": gammas,
                      "auto_depth_rows": args.auto, "temperatures": temperatures, "width_threshold": args.tau,
                      "draft_vocab_sizes": vocab_sizes, "draft_in_step": args.draft_in_step,
-                     "draft_temperature_scales": [float(s) for s in args.draft_temperature_scales.split(",")],
+                     "draft_temperature_scales": scales,
                      "max_tokens": args.max_tokens, "num_prompts": len(prompts),
                      "prompt_ids": [p.id for p in prompts],
                      "batch": "all prompts" if args.batch == "all" else "1 (prompts one after another)",
@@ -147,11 +148,12 @@ def _label(row: dict) -> str:
     """A row's method, marked when its engine drafts inside the verify step and with its draft's temperature
     scale when not 1."""
     scale = row.get("draft_temperature_scale", 1.0)
-    return row["method"] + (" in-step" if row.get("draft_in_step") else "") + (f" q-T x{scale:g}" if scale != 1 else "")
+    return (row["method"] + (" in-step" if row.get("draft_in_step") else "")
+            + (f" q-T x{scale:g}" if scale != 1 else ""))
 
 
 def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft, vocab_size, baselines,
-              with_baseline: bool, in_step: list[bool]) -> list[dict]:
+              with_baseline: bool, in_step: list[bool], scales: list[float]) -> list[dict]:
     """Every row of one engine (one draft and draft_vocab_size); the in-engine baseline only ``with_baseline``."""
     from vllm import SamplingParams
 
@@ -167,7 +169,6 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft,
         return llm.generate(batch, params, use_tqdm=False)
 
     rows = []
-    scales = [float(s) for s in args.draft_temperature_scales.split(",")]
     for temperature in temperatures:
         specs = [spec for spec in _rows(gammas, temperature, auto_max, in_step, scales)
                  if spec[1] > 0 or with_baseline]

@@ -26,6 +26,7 @@ prompt.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -131,15 +132,14 @@ def _draw(runner, group: GroupDecoding, layers: int, beams: list[tuple[Chain, in
     # At T > 0 a head's draw needs only its draft vocabulary's columns: no scatter of its logits into all V.
     order = runner._dsbd_head_order if group.temperature > 0 else None
     vocab = runner.model_config.get_vocab_size() if order is not None else None
+    # every decoding field of the group, as the next iteration's draft steps would carry it
+    decoding = {f.name: getattr(group, f.name) for f in dataclasses.fields(GroupDecoding)}
+    decoding.update(step=group.step + 1, tails=())
     out = []
     for layer in range(1, layers + 1):
         logits, own = _forward(runner, tokens, positions, features, rows, last_rows, order)
-        ds = DraftStep(
-            group_id=group.group_id, beam_width=group.beam_width, temperature=group.temperature,
-            top_k=group.top_k, top_p=group.top_p, length_penalty=group.length_penalty, ignore_eos=group.ignore_eos,
-            eos_token_id=group.eos_token_id, stop_token_ids=group.stop_token_ids, stop=group.stop, seed=group.seed,
-            draft_temperature_scale=group.draft_temperature_scale, step=group.step + 1, layer=layer,
-            req_ids=tuple(str(s) for s in slots), slots=tuple(slots), scores=tuple(scores), seq_len=first + layer)
+        ds = DraftStep(**decoding, layer=layer, req_ids=tuple(str(s) for s in slots), slots=tuple(slots),
+                       scores=tuple(scores), seq_len=first + layer)
         support = runner._dsbd_support if order is not None else runner._draft_support(logits)
         chosen, joint = spec_step.draft_layer(logits, {str(s): r for r, s in enumerate(slots)}, ds, support, vocab)
         if joint is not None:
