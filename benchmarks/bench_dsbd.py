@@ -70,10 +70,10 @@ def _profile_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
 
 
 def _rows(gammas: list[int], temperature: float, auto: int, in_step: list[bool],
-          scales: list[float]) -> list[tuple[str, int, bool, bool, bool, float]]:
+          scales: list[float | None]) -> list[tuple[str, int, bool, bool, bool, float | None]]:
     """(name, γ (the maximum with auto), fixed width, auto_depth, draft_in_step, draft_temperature_scale) of
     every row; γ = 0 (the baseline) first. Every DSBD row comes once per ``in_step`` mode and, at T > 0, once
-    per draft temperature scale."""
+    per draft temperature scale (None: the knob is not sent, the engine's value applies)."""
     widths = [True] if temperature == 0 else [True, False]
     scales = scales if temperature > 0 else [1.0]
     rows = [("in-engine", 0, True, False, False, 1.0)]
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
     drafts = args.draft.split(",") if args.draft else [str(pair.draft)]
     gammas = [int(g) for g in args.gammas.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    scales = [float(s) for s in args.draft_temperature_scales.split(",")]
+    scales = [None if s == "draft" else float(s) for s in args.draft_temperature_scales.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = load_prompts(Path(args.prompts_file), args.num_prompts, tokenizer)
     inputs = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> dict:
         "settings": {"pair": args.pair, "target": target, "drafts": drafts, "width": args.width, "gammas": gammas,
                      "auto_depth_rows": args.auto, "temperatures": temperatures, "width_threshold": args.tau,
                      "draft_vocab_sizes": vocab_sizes, "draft_in_step": args.draft_in_step,
-                     "draft_temperature_scales": scales,
+                     "draft_temperature_scales": ["draft" if s is None else s for s in scales],
                      "max_tokens": args.max_tokens, "num_prompts": len(prompts),
                      "prompt_ids": [p.id for p in prompts],
                      "batch": "all prompts" if args.batch == "all" else "1 (prompts one after another)",
@@ -153,13 +153,19 @@ def _label(row: dict) -> str:
 
 
 def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft, vocab_size, baselines,
-              with_baseline: bool, in_step: list[bool], scales: list[float]) -> list[dict]:
+              with_baseline: bool, in_step: list[bool], scales: list[float | None]) -> list[dict]:
     """Every row of one engine (one draft and draft_vocab_size); the in-engine baseline only ``with_baseline``."""
     from vllm import SamplingParams
 
+    from vllm_dsbd.config import DSBDConfig
+
+    engine_scale = DSBDConfig.from_vllm_config(llm.llm_engine.vllm_config).draft_temperature_scale
+
     def decode(gamma, temperature, fixed, auto, in_step_row, scale, max_tokens, batch):
         extra = {"beam_width": args.width, "num_speculative_tokens": gamma, "width_threshold": args.tau,
-                 "auto_depth": auto, "draft_temperature_scale": scale}
+                 "auto_depth": auto}
+        if scale is not None:
+            extra["draft_temperature_scale"] = scale
         if fixed:
             extra["fixed_width"] = True
         if args.draft_in_step != "off":  # the engine drafts in the verify step unless the request turns it off
@@ -200,7 +206,8 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft,
             tokens = [[list(c.token_ids) for c in o.outputs] for o in out]
             forward_s = sum(p["forward_s"] for p in profile.values())
             row = {"method": name, "gamma": gamma, "auto_depth": auto, "temperature": temperature,
-                   "draft_in_step": in_step_row, "draft_temperature_scale": scale,
+                   "draft_in_step": in_step_row,
+                   "draft_temperature_scale": engine_scale if scale is None else scale,
                    "draft": Path(draft).name if gamma else None, "draft_vocab_size": vocab_size if gamma else 0,
                    "wall_s": secs,
                    **run["counters"], "step_profile": profile,
@@ -295,9 +302,10 @@ def main() -> None:
                         help="the knob draft_in_step (an EAGLE-3 head drafts each forest inside the verify step "
                              "before it); both: one engine with it, every fixed-depth DSBD row run with it and "
                              "without it (per request), in turn")
-    parser.add_argument("--draft-temperature-scales", default="1",
+    parser.add_argument("--draft-temperature-scales", default="draft",
                         help="the knob draft_temperature_scale (the draft samples at T x this), comma-separated: "
-                             "every DSBD row at T > 0 once per value, in turn")
+                             "every DSBD row at T > 0 once per value, in turn; 'draft': the knob not sent, the "
+                             "engine's value (what the draft's dsbd.json recommends, else 1)")
     parser.add_argument("--omp-bind", default=None,
                         help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. 0-1: the worker on both cores of a "
                              "2-core machine; default: the environment's, else vLLM's auto)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_dsbd.config import DSBDConfig
+from vllm_dsbd.config import DRAFT_DEFAULTS_FILE, DSBDConfig, draft_defaults
 
 
 def test_defaults_follow_algorithm_md():
@@ -125,3 +125,37 @@ def test_a_request_may_choose_mjsd_and_its_tau():
     assert (req.mjsd, req.mjsd_tau, req.beam_width, req.num_speculative_tokens) == (True, 0.3, 6, 4)
     assert not engine.mjsd and engine.decoder == "dsbd"
     assert not DSBDConfig(decoder="mjsd").for_request({"decoder": "dsbd"}).mjsd
+
+
+def test_an_mjsd_request_draws_at_its_own_temperature_on_an_engine_with_a_draft_temperature_scale():
+    """The engine's scale (set by the user or recommended by the draft) is for its DSBD requests: an MJSD
+    request gets 1 unless it sets the knob itself, which MJSD refuses by name."""
+    engine = DSBDConfig(draft_temperature_scale=0.75)
+    assert engine.for_request({"beam_width": 2}).draft_temperature_scale == 0.75
+    assert engine.for_request({"decoder": "mjsd"}).draft_temperature_scale == 1.0
+    assert engine.for_request({"decoder": "mjsd", "draft_temperature_scale": 1.0}).mjsd
+    with pytest.raises(ValueError, match=r"'decoder'='mjsd'.*'draft_temperature_scale'=0.5.*allowed: 1.0"):
+        engine.for_request({"decoder": "mjsd", "draft_temperature_scale": 0.5})
+
+
+def _draft_with(tmp_path, text):
+    (tmp_path / DRAFT_DEFAULTS_FILE).write_text(text)
+    return str(tmp_path)
+
+
+def test_a_draft_folder_recommends_its_draft_temperature_scale(tmp_path):
+    assert draft_defaults(None) == {} and draft_defaults(str(tmp_path)) == {}  # no file: nothing recommended
+    assert draft_defaults("HuggingFaceTB/not-a-local-folder") == {}
+    draft = _draft_with(tmp_path, '{"draft_temperature_scale": 0.75, "_measured": "a note, ignored"}')
+    assert draft_defaults(draft) == {"draft_temperature_scale": 0.75}
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"beam_width": 8}', r"recommends \['beam_width'\]; a draft may recommend only \['draft_temperature_scale'\]"),
+    ('{"draft_temperature_scale": 0}', r"'draft_temperature_scale'=0 is invalid; allowed"),
+    ('[0.75]', r"must be a JSON object, not list"),
+    ('{"draft_temperature_scale": 0.75', r"is not readable JSON"),
+])
+def test_a_bad_recommendation_file_is_refused_naming_it(tmp_path, text, match):
+    with pytest.raises(ValueError, match=rf"{DRAFT_DEFAULTS_FILE}.*{match}"):
+        draft_defaults(_draft_with(tmp_path, text))

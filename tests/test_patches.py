@@ -232,6 +232,28 @@ def test_an_eagle3_head_is_a_dsbd_draft(tiny_pair, tmp_path, layout):
     assert head.max_position_embeddings == config.model_config.max_model_len == 512
 
 
+@pytest.mark.parametrize("spec, want", [
+    ({}, 0.75),  # the head's recommendation fills the unset knob
+    ({"draft_temperature_scale": 1.0}, 1.0),  # the user's value wins
+    ({"decoder": "mjsd"}, 1.0),  # MJSD compares likelihoods: no recommendation applies
+])
+def test_a_heads_dsbd_json_sets_the_knobs_the_user_left_unset(tiny_pair, tmp_path, spec, want):
+    from vllm_dsbd.config import DRAFT_DEFAULTS_FILE, DSBDConfig
+
+    args = _head_engine_args(tiny_pair, tmp_path, **spec)
+    (tmp_path / "speculators" / DRAFT_DEFAULTS_FILE).write_text('{"draft_temperature_scale": 0.75}')
+    assert DSBDConfig.from_vllm_config(args.create_engine_config()).draft_temperature_scale == want
+
+
+def test_a_heads_bad_dsbd_json_is_refused_at_engine_start(tiny_pair, tmp_path):
+    from vllm_dsbd.config import DRAFT_DEFAULTS_FILE
+
+    args = _head_engine_args(tiny_pair, tmp_path)
+    (tmp_path / "speculators" / DRAFT_DEFAULTS_FILE).write_text('{"width_threshold": 0.5}')
+    with pytest.raises(ValueError, match=rf"{DRAFT_DEFAULTS_FILE} recommends \['width_threshold'\]"):
+        args.create_engine_config()
+
+
 def _set_layer_config(key, value):
     def edit(config):
         config["transformer_layer_config"][key] = value

@@ -16,9 +16,11 @@ batch rows for them, so a request may ask for less, never more.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 #: The speculative method name of a DSBD engine (``speculative_config={"method": "dsbd", ...}``).
@@ -42,6 +44,11 @@ DECODERS = ("dsbd", "mjsd")
 
 #: Knobs that shape the engine itself (its models), not one request's decoding.
 ENGINE_ONLY_KNOBS = frozenset({"draft_vocab_size", "draft_dtype"})
+
+#: The file in a local draft's folder that recommends DSBD knobs for that draft (engine-wide defaults, which
+#: --speculative-config overrides; ``draft_defaults``), and the knobs it may set: properties of the draft.
+DRAFT_DEFAULTS_FILE = "dsbd.json"
+DRAFT_DEFAULT_KNOBS = ("draft_temperature_scale",)
 
 #: What the ``draft_dtype`` knob takes: "auto" (the target's dtype) or a dtype vLLM's CPU and GPU
 #: platforms run a model in.
@@ -90,7 +97,9 @@ class DSBDConfig:
     draft_temperature_scale: float = 1.0
     """At T > 0 the draft samples each layer at temperature T * this (below 1: sharper than the target).
     Exact for any value: the target verifies against the distribution the draft drew from. A head that is
-    less confident than the target accepts more sharpened (docs/dsbd.md). Not for MJSD (1 only)."""
+    less confident than the target accepts more sharpened (docs/dsbd.md). Not for MJSD: an MJSD request
+    draws at T whatever the engine's value (1 only, if it sets the knob). A draft's ``dsbd.json`` may
+    recommend it (``draft_defaults``)."""
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, low=1)
@@ -173,6 +182,9 @@ class DSBDConfig:
             raise ValueError(f"DSBD knob(s) {engine_only} are engine-wide: set them in --speculative-config "
                              f"(speculative_config=...), not per request.")
         overrides = {k: _request_bool(v) if k in BOOL_KNOBS else v for k, v in overrides.items()}
+        if overrides.get("decoder", self.decoder) == "mjsd" and "draft_temperature_scale" not in overrides:
+            # the engine's draft temperature scale is for its DSBD requests; MJSD draws at T itself
+            overrides["draft_temperature_scale"] = 1.0
         merged = dataclasses.replace(self, **_known(overrides, "the request's extra_args (vllm_xargs)"))
         if merged.draft_in_step and not self.draft_in_step:
             raise ValueError("Request asks for DSBD knob 'draft_in_step'=true, but this engine drafts in draft "
@@ -186,6 +198,32 @@ class DSBDConfig:
                     f"allowed: {1 if knob == 'beam_width' else 0}..{getattr(self, knob)}."
                 )
         return merged
+
+
+def draft_defaults(draft: str | None) -> dict[str, Any]:
+    """The DSBD knobs a local draft folder recommends for itself: its ``dsbd.json`` (``DRAFT_DEFAULTS_FILE``),
+    a JSON object of ``DRAFT_DEFAULT_KNOBS`` (keys starting with "_" are notes, ignored), checked as
+    DSBDConfig checks them; {} for a draft without one (or a hub id). A bad file is an error naming it."""
+    path = Path(draft) / DRAFT_DEFAULTS_FILE if draft else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} (the DSBD knobs the draft recommends) is not readable JSON: {e}") from e
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} (the DSBD knobs the draft recommends) must be a JSON object, not "
+                         f"{type(values).__name__}.")
+    knobs = {k: v for k, v in values.items() if not str(k).startswith("_")}
+    unknown = sorted(set(knobs) - set(DRAFT_DEFAULT_KNOBS))
+    if unknown:
+        raise ValueError(f"{path} recommends {unknown}; a draft may recommend only {list(DRAFT_DEFAULT_KNOBS)} "
+                         f"(keys starting with '_' are notes).")
+    try:
+        DSBDConfig(**knobs)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+    return knobs
 
 
 BOOL_KNOBS = ("fixed_width", "memory_efficient", "auto_depth", "draft_in_step")

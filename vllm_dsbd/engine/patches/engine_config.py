@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
-from vllm_dsbd.config import ADDITIONAL_CONFIG_KEY, METHOD, DSBDConfig
+from vllm_dsbd.config import ADDITIONAL_CONFIG_KEY, DRAFT_DEFAULTS_FILE, METHOD, DSBDConfig, draft_defaults
 from vllm_dsbd.engine.upstream import original as _original
 from vllm_dsbd.engine.upstream import wrapped as _wrapped
 
@@ -127,7 +127,8 @@ def _speculative_method_flag() -> None:
 #            users must never have to name (--scheduler-cls / --worker-cls).
 #   how:     before the original runs: merge --spec-method/--spec-model/
 #            --spec-tokens into the speculative config as vLLM does, pop and
-#            validate the DSBD knobs into a DSBDConfig (clear errors), store it
+#            validate the DSBD knobs into a DSBDConfig (clear errors; a local
+#            draft's dsbd.json fills knobs the user left unset), store it
 #            in additional_config["dsbd"] (it travels pickled to every
 #            process), set scheduler_cls / worker_cls, turn async scheduling
 #            off. num_speculative_tokens = 0 needs no draft: no vLLM
@@ -200,6 +201,14 @@ def _take_dsbd_config(args: Any) -> DSBDConfig | None:
             f"SpeculativeConfig fields such as 'model')."
         )
     knobs = {k: raw.pop(k) for k in list(raw) if k in _DSBD_ONLY}
+    if knobs.get("decoder", DSBDConfig.decoder) != "mjsd":  # MJSD compares likelihoods: the draft's own q
+        recommended = {k: v for k, v in draft_defaults(raw.get("model")).items() if k not in knobs}
+        if recommended:
+            from vllm.logger import init_logger
+
+            init_logger(__name__).info("DSBD: %s from the draft's %s (set in --speculative-config to override)",
+                                       ", ".join(f"{k}={v}" for k, v in recommended.items()), DRAFT_DEFAULTS_FILE)
+            knobs.update(recommended)
     knobs["num_speculative_tokens"] = raw.setdefault("num_speculative_tokens", _DEFAULT_GAMMA)
     dsbd = DSBDConfig.from_mapping(knobs, where="--speculative-config")
     if dsbd.num_speculative_tokens == 0:
