@@ -215,6 +215,28 @@ def test_drafting_inside_the_verify_step_is_costed_by_its_own_timings_once_it_ha
     assert policy.choose(KEY, "g", max_depth=3, width=4, draft_lag=4, probe=False) == by_draft_steps
 
 
+def test_in_step_drafting_without_any_draft_step_is_judged_by_its_own_timings():
+    """Requests whose prompts fit a beam step's chain draft in-step from their first iteration: no draft step
+    is ever timed. Their drafting's own timings measure the draft: a draft whose layers never pass stops
+    (plain beam steps), one whose layers always pass keeps drafting; drafting by draft steps is still
+    unmeasured (one layer, to measure it)."""
+    def policy(passed: int) -> DepthPolicy:
+        p = DepthPolicy()
+        for n in (4, 8, 4, 8):
+            p.observe_step(False, n, 0.02 + 0.001 * n)  # target steps only
+        for layers in (1, 2, 1, 2):
+            p.observe_in_step(4 * layers, 0.002 * layers)
+        for _ in range(30):
+            p.observe_iteration(KEY, "g", 1, passed)
+        return p
+
+    useless, perfect = policy(0), policy(1)
+    assert useless.draft.num_observations == 0
+    assert useless.choose(KEY, "g", max_depth=2, width=4, draft_lag=0, in_step=True) == 0
+    assert perfect.choose(KEY, "g", max_depth=2, width=4, draft_lag=0, in_step=True) >= 1
+    assert useless.choose(KEY, "g", max_depth=2, width=4, draft_lag=0) == 1
+
+
 def test_the_runners_decisions_are_costed_per_group_once_timed():
     """A forest's verification costs ``v(W γ)`` on top of its target step, in place of a beam step's decision
     ``u(W)``, both fitted on the runner's own timings (nothing before one). The same draft that speculates in

@@ -56,7 +56,10 @@ the target's fit). Until such a drafting was timed, the draft steps' cost
 stands in for it.
 
 Exploration: a γ never tried tells nothing about itself. Until the draft's
-cost has been measured the policy drafts one layer. A group's α is an
+cost has been measured (its draft steps, or for in-step drafting its own
+timings: an ``auto_depth`` request whose prompt fits ``MAX_CHAIN`` drafts
+in-step from its first iteration and may never run a draft step) the policy
+drafts one layer. A group's α is an
 estimate from a few iterations, and while it chooses γ = 0 it learns nothing
 more: a few unlucky layers would keep a good draft idle. So γ = 0 is chosen
 only if γ = 1 would not pay even with α ``hope`` standard deviations higher
@@ -247,7 +250,10 @@ class DepthPolicy:
         its layers would be drawn inside the verify step before it (see the module docstring)."""
         if max_depth <= 0:
             return 0
-        if self.draft.num_observations == 0 or self.target.num_observations == 0:
+        # the drafting's cost: in-step drafting's own timings stand in for draft steps (a group of short
+        # prompts drafting in-step may never run a draft step)
+        drafting_measured = self.draft.num_observations > 0 or (in_step and self.in_step.num_observations > 0)
+        if not drafting_measured or self.target.num_observations == 0:
             return 1  # measure the draft before judging it
         alpha = self.alpha(key, group_id)
         others = batch.streams - 1  # they gain a token per iteration whatever this group does
