@@ -216,6 +216,29 @@ def test_an_iteration_without_draft_layers_is_a_beam_step_unless_mjsd_or_memory_
         assert not group.in_iteration and group.path_requests == [] and group.num_generated == 2
 
 
+@pytest.mark.parametrize("live", [1, 3])
+def test_a_depth_0_iterations_paths_are_the_forests_root_to_leaf_paths_without_layers(live):
+    """The paths of an iteration without draft layers, set up without building a forest, are those the
+    forest algorithm gives for no layers: one per live beam, its root slot, verifying no token."""
+    import torch
+
+    from vllm_dsbd.algorithm.forest import build_forest, root_to_leaf_paths
+
+    group, reqs = three_beam_group(num_speculative_tokens=2, beam_width=4, n=4)
+    if live == 1:
+        group = BeamGroup("g", ["u0", "u1", "u2", "u3"], prompt_len=4, params=params(beam_width=4, n=4),
+                          root_request=Req("root"))
+    assert len(group.beams) == live
+    effects = group.start_iteration(0)
+    no_layers = torch.zeros((0, 4), dtype=torch.long)
+    forest = build_forest(4, no_layers, no_layers, no_layers.bool(), root_exists=torch.arange(4) < live)
+    paths = root_to_leaf_paths(forest)
+    flat, cu = paths.path_nodes.tolist(), paths.cu_num_positions.tolist()
+    assert group.paths == [tuple(flat[cu[k]:cu[k + 1]]) for k in range(paths.num_paths)] and group.aliases == {}
+    assert [(op.root, op.spec_tokens, op.reuse_root) for op in effects.ops] == [
+        (group.beams[path[0]].request, [], True) for path in group.paths]
+
+
 def test_layers_drafted_inside_the_verify_step_set_up_the_forest_at_once():
     """``apply_drafted`` (draft_in_step) makes no node requests: the forest's paths come at once, the same
     paths that the same layers committed one draft step at a time give; a forest ending early (its nodes

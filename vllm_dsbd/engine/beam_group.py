@@ -248,6 +248,10 @@ class BeamGroup:
             self.paths, self.aliases = [path], {}
             self.path_requests = [PathRequest(self.beams[0].request, self.node_path(path[-1])[1], reuse_root=True)]
             return list(self.path_requests)
+        if not self.layers:  # no draft layer (a plain beam step): each beam alone is a path, its root slot's id
+            self.paths, self.aliases = [(slot,) for slot in range(len(self.beams))], {}
+            self.path_requests = [PathRequest(beam.request, [], reuse_root=True) for beam in self.beams]
+            return list(self.path_requests)
         from vllm_dsbd.algorithm.forest import build_forest, root_to_leaf_paths
         import torch
 
