@@ -198,9 +198,11 @@ def test_in_a_batch_probes_stay_within_their_budget_of_the_engine_time():
 
 
 def test_drafting_inside_the_verify_step_is_costed_by_its_own_timings_once_it_has_some():
-    """In-step drafting has no draft steps: γ costs the target step plus d = a' + b' W γ fitted on its own
-    timings. Before any, the draft steps' cost stands in (the same choice); with a cheap measured d the
-    same draft, whose draft steps cost too much to speculate deep, speculates deeper."""
+    """In-step drafting has no draft steps: γ costs the target step plus d = a' + b' (lag + W γ) fitted on its
+    own timings (by head rows: the lag tokens its head KV catches up on, then W a layer). Before any, the draft
+    steps' cost stands in (the same choice); with a cheap measured d the same draft, whose draft steps cost
+    too much to speculate deep, speculates deeper; after a long run of beam steps (a lag of 200 tokens) the
+    catch-up makes it shallower again."""
     policy = _policy(0.05)  # draft step: 0.18 + 0.05 n, about a third of a target step
     for _ in range(20):
         policy.observe_iteration(KEY, "g", 2, 1)  # half the layers pass
@@ -209,9 +211,10 @@ def test_drafting_inside_the_verify_step_is_costed_by_its_own_timings_once_it_ha
     for layers in (1, 2, 3, 2):
         policy.observe_in_step(4 * layers, 0.01 + 0.005 * 4 * layers)
     assert iteration_seconds(2, 4, 4, policy.draft, policy.target, in_step=policy.in_step) == pytest.approx(
-        0.01 + 0.005 * 8 + 0.7 + 0.04 * 12)
+        0.01 + 0.005 * (4 + 8) + 0.7 + 0.04 * 12)
     deeper = policy.choose(KEY, "g", max_depth=3, width=4, draft_lag=4, probe=False, in_step=True)
     assert deeper > by_draft_steps
+    assert policy.choose(KEY, "g", max_depth=3, width=4, draft_lag=200, probe=False, in_step=True) < deeper
     assert policy.choose(KEY, "g", max_depth=3, width=4, draft_lag=4, probe=False) == by_draft_steps
 
 

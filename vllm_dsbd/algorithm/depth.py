@@ -50,10 +50,12 @@ Drafting inside the verify step (the engine knob ``draft_in_step``): the
 runner draws the next iteration's γ layers in the step that verifies this
 one, so its γ is chosen one iteration ahead (from the iterations verified
 before) and it has no draft steps: ``γ ≥ 1`` costs the target step over
-``N + W (γ + 1)`` tokens plus ``d = a' + b' W γ`` for the drafting, fitted
-on the runner's own timings of it (the target step's time without it feeds
-the target's fit). Until such a drafting was timed, the draft steps' cost
-stands in for it.
+``N + W (γ + 1)`` tokens plus ``d = a' + b' (lag + W γ)`` for the drafting
+(its head rows: the ``lag`` tokens whose head KV it first catches up on, about
+one a beam after a verify step, every token since after a run of beam steps;
+then W a layer), fitted on the runner's own timings of it (the target step's
+time without it feeds the target's fit). Until such a drafting was timed, the
+draft steps' cost stands in for it.
 
 Exploration: a γ never tried tells nothing about itself. Until the draft's
 cost has been measured (its draft steps, or for in-step drafting its own
@@ -171,7 +173,7 @@ def iteration_seconds(depth: int, width: int, draft_lag: int, draft: LinearCost,
     if depth == 0:
         return target.predict(batch.other_tokens + width) + own
     if in_step is not None and in_step.num_observations > 0:
-        draft_seconds = in_step.predict(width * depth)
+        draft_seconds = in_step.predict(draft_lag + width * depth)
     else:
         fixed, per_token = draft.coefficients()
         draft_seconds = depth * fixed / batch.drafting + per_token * (max(draft_lag, width) + (depth - 1) * width)
@@ -198,7 +200,7 @@ class DepthPolicy:
     hope: float = 1.0  # depth 0 only when depth 1 does not pay with α this many standard deviations higher
     draft: LinearCost = field(default_factory=LinearCost)
     target: LinearCost = field(default_factory=LinearCost)
-    in_step: LinearCost = field(default_factory=LinearCost)  # seconds of drawing W γ draft nodes in a verify step
+    in_step: LinearCost = field(default_factory=LinearCost)  # seconds of a drawing in a verify step, by head rows
     decide: LinearCost = field(default_factory=LinearCost)  # seconds of a beam step's decision over W beams
     verify: LinearCost = field(default_factory=LinearCost)  # seconds of verifying W γ draft nodes (the runner's)
     _engine: dict[object, AcceptanceStats] = field(default_factory=dict)
@@ -210,10 +212,11 @@ class DepthPolicy:
     def observe_step(self, is_draft: bool, num_tokens: int, seconds: float) -> None:
         (self.draft if is_draft else self.target).observe(num_tokens, seconds)
 
-    def observe_in_step(self, num_nodes: int, seconds: float) -> None:
-        """A group's draft layers (``num_nodes``: W per layer) drawn inside a verify step took ``seconds``
-        (not counted in that step's :meth:`observe_step`)."""
-        self.in_step.observe(num_nodes, seconds)
+    def observe_in_step(self, num_rows: int, seconds: float) -> None:
+        """A group's draft layers drawn inside a verify (or beam) step took ``seconds`` for ``num_rows`` head
+        rows: the tokens its head KV caught up on, then W per layer (not counted in that step's
+        :meth:`observe_step`)."""
+        self.in_step.observe(num_rows, seconds)
 
     def observe_decision(self, width: int, num_nodes: int, seconds: float) -> None:
         """The runner took ``seconds`` deciding a group's iteration over ``width`` beams: its verification of

@@ -57,11 +57,12 @@ def num_layers(draft_next: int, max_tokens_left: int, num_passed: int, has_beams
     return max(0, min(draft_next, left - 1)) if has_beams else 0
 
 
-def draft(runner, vs: VerifyStep, decision: VerifyDecision) -> list[DraftDecision]:
-    """The next iteration's draft layers for one verified group (see the module docstring)."""
+def draft(runner, vs: VerifyStep, decision: VerifyDecision) -> tuple[list[DraftDecision], int]:
+    """The next iteration's draft layers for one verified group (see the module docstring), and the head rows
+    computed drawing them."""
     layers = num_layers(vs.draft_next, vs.max_tokens_left, decision.num_passed, bool(decision.beams))
     if layers == 0:
-        return []
+        return [], 0
     batch = runner.input_batch
     depth, root_len = decision.num_passed, vs.seq_len  # the roots' last tokens are at root_len - 1
     chains: dict[int, Chain] = {}
@@ -76,12 +77,13 @@ def draft(runner, vs: VerifyStep, decision: VerifyDecision) -> list[DraftDecisio
     return _draw(runner, vs, layers, beams)
 
 
-def draft_after_beam_step(runner, step: GroupStep, decision: GroupDecision) -> list[DraftDecision]:
+def draft_after_beam_step(runner, step: GroupStep, decision: GroupDecision) -> tuple[list[DraftDecision], int]:
     """The next iteration's draft layers for one group's beam step (``GroupStep.draft_next``): the chains are
-    the parent beams, from where their head KV ends to their last token (which the target just computed)."""
+    the parent beams, from where their head KV ends to their last token (which the target just computed);
+    and the head rows computed drawing them."""
     layers = num_layers(step.draft_next or 0, step.max_tokens_left, 0, bool(decision.beams))
     if layers == 0:
-        return []
+        return [], 0
     batch = runner.input_batch
     chains: dict[int, Chain] = {}
     beams = []
@@ -94,9 +96,10 @@ def draft_after_beam_step(runner, step: GroupStep, decision: GroupDecision) -> l
     return _draw(runner, step, layers, beams)
 
 
-def _draw(runner, group: GroupDecoding, layers: int, beams: list[tuple[Chain, int, float]]) -> list[DraftDecision]:
+def _draw(runner, group: GroupDecoding, layers: int,
+          beams: list[tuple[Chain, int, float]]) -> tuple[list[DraftDecision], int]:
     """Draft layers 1..``layers`` from new beams (their chain, their last token, their score), as the next
-    iteration's draft steps would draw them."""
+    iteration's draft steps would draw them; and the head rows computed (every layer's call)."""
     batch = runner.input_batch
     table = batch.block_table[runner._dsbd_features_gid]
     size = table.block_size
@@ -135,8 +138,9 @@ def _draw(runner, group: GroupDecoding, layers: int, beams: list[tuple[Chain, in
     # every decoding field of the group, as the next iteration's draft steps would carry it
     decoding = {f.name: getattr(group, f.name) for f in dataclasses.fields(GroupDecoding)}
     decoding.update(step=group.step + 1, tails=())
-    out = []
+    out, num_rows = [], 0
     for layer in range(1, layers + 1):
+        num_rows += len(tokens)
         logits, own = _forward(runner, tokens, positions, features, rows, last_rows, order)
         ds = DraftStep(**decoding, layer=layer, req_ids=tuple(str(s) for s in slots), slots=tuple(slots),
                        scores=tuple(scores), seq_len=first + layer)
@@ -159,7 +163,7 @@ def _draw(runner, group: GroupDecoding, layers: int, beams: list[tuple[Chain, in
             [rows.ancestors[r] + [rows.row_ids[r]] for r in parents], rows.scratch)
         last_rows = list(range(len(grow)))
         scores, slots = [chosen.scores[j] for j in grow], grow
-    return out
+    return out, num_rows
 
 
 def _forward(runner, tokens: list[int], positions: list[int], features: torch.Tensor,

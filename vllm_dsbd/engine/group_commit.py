@@ -82,7 +82,7 @@ class CommitMixin:
             self._group_seconds += timing.decide_seconds + timing.draft_seconds
             self._depth.observe_decision(width, sum(proposed), timing.decide_seconds)
             if drafted:
-                self._depth.observe_in_step(sum(len(d.tokens) for d in drafted), timing.draft_seconds)
+                self._depth.observe_in_step(timing.draft_rows, timing.draft_seconds)
         if group.group_id in self.groups:
             for b in group.beams:
                 b.request.dsbd_target = b.request.num_computed_tokens
@@ -153,11 +153,15 @@ class CommitMixin:
 
     def _in_step_depth(self, group: BeamGroup) -> int:
         """auto_depth with ``draft_in_step``: γ of the group's next iteration, chosen one iteration ahead, as
-        its verify step is planned, since the runner draws those layers in that step (no draft lag: the head
-        reads the verified tokens there). Its width: the beams' now, but W after the first iteration (its one
-        root becomes up to W beams)."""
+        its verify step (or beam step) is planned, since the runner draws those layers in that step. Its
+        width: the beams' now, but W after the first iteration (its one root becomes up to W beams). Its lag:
+        the tokens whose head KV the drawing first computes (the chains: after a verify step about one per
+        beam, after a run of beam steps every token since); the prompt, whose head KV is computed once
+        whatever the depth, counts as one token a beam, as its timing is left out of the fit."""
         width = len(group.beams) if group.num_generated else group.params.beam_width
-        return self._depth.choose(_depth_key(group), group.group_id, group.max_draft_layers, width, 0,
+        lag = sum(r.num_tokens - r.dsbd_draft if getattr(r, "dsbd_draft", None) else 1
+                  for r in (b.request for b in group.beams))
+        return self._depth.choose(_depth_key(group), group.group_id, group.max_draft_layers, width, lag,
                                   batch=self._batch_of(group, self._step_tokens_of(group.requests())), in_step=True)
 
     def _step_tokens_of(self, requests) -> int:

@@ -277,8 +277,9 @@ class DSBDModelRunnerMixin:
                     _set_row(sampled, discard, req_index[rid], None if token is None else [token])
                 if step.draft_next:  # the next iteration's forest, in this step (engine.forest_draft)
                     drafting = time.perf_counter()
-                    decision.next_layers = forest_draft.draft_after_beam_step(self, step, decision)
-                    result.timings[step.group_id].draft_seconds = time.perf_counter() - drafting
+                    timing = result.timings[step.group_id]
+                    decision.next_layers, timing.draft_rows = forest_draft.draft_after_beam_step(self, step, decision)
+                    timing.draft_seconds = time.perf_counter() - drafting
             for vs in plan.verify_steps:
                 rows = [req_index[rid] for rid in vs.path_req_ids]
                 path_logits = [logits[start[i]:start[i] + count[i]] for i in rows]
@@ -293,7 +294,7 @@ class DSBDModelRunnerMixin:
                 timing = result.timings[vs.group_id] = GroupTiming(time.perf_counter() - verifying)
                 if vs.draft_next:  # the next iteration's forest, in this step (engine.forest_draft)
                     drafting = time.perf_counter()
-                    decision.next_layers = forest_draft.draft(self, vs, decision)
+                    decision.next_layers, timing.draft_rows = forest_draft.draft(self, vs, decision)
                     timing.draft_seconds = time.perf_counter() - drafting
                 result.verify_decisions[vs.group_id] = decision
                 for i, tokens in zip(rows, _path_row_tokens(vs, decision)):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 PLAN_ATTR = "dsbd_plan"
 RESULT_ATTR = "dsbd_result"
@@ -215,6 +215,7 @@ class GroupTiming:
 
     decide_seconds: float = 0.0  # deciding its iteration: the verification, or its share of the beam steps
     draft_seconds: float = 0.0  # drawing ``next_layers`` of its decision (draft_in_step)
+    draft_rows: int = 0  # the head's rows in that drawing: the chains' tokens (its KV catching up), then the nodes
 
 
 @dataclass
