@@ -293,3 +293,17 @@ def test_depth_zero_waits_until_depth_one_would_not_pay_even_with_a_hopeful_alph
 
     assert choices(1.0) == [(1, 1), (0, 1), (0, 1), (0, 0), (0, 0), (0, 0)]
     assert choices(0.0) == [(1, 1)] + [(0, 0)] * 5
+
+
+def test_a_group_without_layers_of_its_own_gets_no_hope():
+    """Hope is for a group's own few unlucky layers. A new group's α is the engine's estimate from every group
+    before it: where that says depth 0, it takes depth 0 (under load, many new groups would otherwise draft
+    together), while a group that failed a layer of its own, with a lower estimate, still gets one layer of
+    hope before depth 0."""
+    policy = _policy(0.002, target_per_token=0.02)
+    for k in range(100):
+        policy.observe_iteration(KEY, f"other{k % 10}", 1, 1 if k % 20 < 8 else 0)  # 40 % of layers pass
+    policy.observe_iteration(KEY, "failed", 1, 0)
+    assert policy.alpha(KEY, "new") > policy.alpha(KEY, "failed")
+    assert policy.choose(KEY, "failed", 3, 4, 4, probe=False) == 0 and policy.choose(KEY, "failed", 3, 4, 4) == 1
+    assert policy.choose(KEY, "new", 3, 4, 4, probe=False) == 0 and policy.choose(KEY, "new", 3, 4, 4) == 0

@@ -66,7 +66,9 @@ estimate from a few iterations, and while it chooses γ = 0 it learns nothing
 more: a few unlucky layers would keep a good draft idle. So γ = 0 is chosen
 only if γ = 1 would not pay even with α ``hope`` standard deviations higher
 (the group's estimate counts ``prior_weight`` + its own trials); else one
-layer is drafted, which tells. While the model says
+layer is drafted, which tells. A group with no verified layer of its own
+gets no hope: its α is the engine's estimate, from every group before it
+(under load many new groups would otherwise all draft together). While the model says
 γ = 0, it drafts one layer anyway once at least ``probe_interval`` such
 choices were made *and* the probe's extra cost (the draft catching up on
 every token it has not seen, which grows while γ = 0) is at most
@@ -276,7 +278,9 @@ class DepthPolicy:
             self._zero_choices[key], self._zero_seconds[key] = 0, 0.0
             self._intervals[key] = self.probe_interval
             return best
-        hopeful = self.alpha(key, group_id, self.hope)
+        # hope is for a group's own few layers; one without any starts from the engine's estimate as it is
+        own_trials = self._groups.get(group_id, AcceptanceStats()).trials
+        hopeful = self.alpha(key, group_id, self.hope if own_trials > 0 else 0.0)
         if rate(1, hopeful) > rate(0, hopeful):  # depth 0 on a plausibly unlucky estimate: look again
             return 1
         count = self._zero_choices.get(key, 0) + 1 / batch.streams
