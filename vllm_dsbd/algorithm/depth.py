@@ -143,6 +143,11 @@ class AcceptanceStats:
         return self.passed + self.failed
 
 
+def measured(cost: LinearCost | None) -> bool:
+    """Whether a cost has been timed at least once (None: not in use)."""
+    return cost is not None and cost.num_observations > 0
+
+
 def expected_tokens(alpha: float, depth: int) -> float:
     """E[tokens of one iteration] with ``depth`` draft layers, each passing with probability ``alpha``."""
     return sum(alpha**i for i in range(depth + 1))
@@ -174,7 +179,7 @@ def iteration_seconds(depth: int, width: int, draft_lag: int, draft: LinearCost,
     own = decision_seconds(depth, width, decide, verify)
     if depth == 0:
         return target.predict(batch.other_tokens + width) + own
-    if in_step is not None and in_step.num_observations > 0:
+    if measured(in_step):
         draft_seconds = in_step.predict(draft_lag + width * depth)
     else:
         fixed, per_token = draft.coefficients()
@@ -186,7 +191,7 @@ def decision_seconds(depth: int, width: int, decide: LinearCost | None, verify: 
     """The runner's time deciding a group's iteration: a beam step's decision (depth 0) or the verification
     of the forest; 0 while unmeasured."""
     cost, num = (decide, width) if depth == 0 else (verify, width * depth)
-    return cost.predict(num) if cost is not None and cost.num_observations > 0 else 0.0
+    return cost.predict(num) if measured(cost) else 0.0
 
 
 @dataclass
@@ -255,15 +260,14 @@ class DepthPolicy:
         its layers would be drawn inside the verify step before it (see the module docstring)."""
         if max_depth <= 0:
             return 0
-        # the drafting's cost: in-step drafting's own timings stand in for draft steps (a group of short
-        # prompts drafting in-step may never run a draft step)
-        drafting_measured = self.draft.num_observations > 0 or (in_step and self.in_step.num_observations > 0)
-        if not drafting_measured or self.target.num_observations == 0:
+        # the drafting's cost, as iteration_seconds takes it: in-step drafting's own timings once it has some
+        # (a group of short prompts drafting in-step may never run a draft step), else the draft steps'
+        in_step_cost = self.in_step if in_step else None
+        if not (measured(in_step_cost) or measured(self.draft)) or not measured(self.target):
             return 1  # measure the draft before judging it
         alpha = self.alpha(key, group_id)
         others = batch.streams - 1  # they gain a token per iteration whatever this group does
 
-        in_step_cost = self.in_step if in_step else None
         plain_seconds = iteration_seconds(0, width, draft_lag, self.draft, self.target, batch, decide=self.decide)
 
         def rate(depth: int, alpha: float = alpha) -> float:  # speculating is taken to cost ``margin`` more
