@@ -78,6 +78,33 @@ def test_features_of_other_aux_layers_are_cut_from_a_store_that_holds_them(tiny_
         eagle3_head.store_features(tiny_pair.target, fresh, (0, 1), 25, False)
 
 
+def test_features_computed_in_bf16_have_their_own_store_and_are_never_cut_from_float32_ones(tiny_pair, tmp_path,
+                                                                                          monkeypatch):
+    data = fake_shards(tmp_path / "data", num_shards=1, rows=3)
+    fp32 = eagle3_head.store_features(tiny_pair.target, data, (0, 1, 2), 25, progress=False)
+    bf16 = eagle3_head.store_features(tiny_pair.target, data, (0, 1, 2), 25, progress=False, dtype="bfloat16")
+    assert (fp32.name, bf16.name) == ("features-aux0-1-2-len25", "features-bf16-aux0-1-2-len25")
+    exact, _ = eagle3_head.stored_features(fp32, 1)
+    rounded, _ = eagle3_head.stored_features(bf16, 1)
+    model = eagle3_head.TargetFeatures(tiny_pair.target, (0, 1, 2), dtype="bfloat16").model
+    assert next(model.parameters()).dtype == torch.bfloat16  # the target computed them in bf16
+    for (aux, last), (want_aux, want_last) in zip(rounded, exact):
+        assert aux.shape == want_aux.shape and last.shape == want_last.shape
+        for got, want in ((aux, want_aux), (last, want_last)):
+            assert (got.float() - want.float()).norm() <= 0.05 * want.float().norm()
+    assert any(not torch.equal(a, b) for (a, _), (b, _) in zip(rounded, exact))
+    only_fp32 = fake_shards(tmp_path / "only-fp32", num_shards=1, rows=3)
+    eagle3_head.store_features(tiny_pair.target, only_fp32, (0, 1, 2), 25, progress=False)
+    monkeypatch.setattr(eagle3_head, "TargetFeatures", None)  # computing them would fail
+    for store, want in ((None, exact), ("bfloat16", rounded)):  # ids (1, 2): cut from the store of their dtype
+        dtype = store or "float32"
+        got, _ = eagle3_head.stored_features(eagle3_head.store_features(tiny_pair.target, data, (1, 2), 25, False,
+                                                                        dtype=dtype), 1)
+        assert all(torch.equal(g[0], w[0][:, 64:]) and torch.equal(g[1], w[1]) for g, w in zip(got, want))
+    with pytest.raises(TypeError):  # a float32 store holds them, no bf16 one: computed, which fails here
+        eagle3_head.store_features(tiny_pair.target, only_fp32, (1, 2), 25, False, dtype="bfloat16")
+
+
 def test_training_refuses_stored_features_of_other_teacher_rows(tiny_pair, tmp_path):
     data = fake_shards(tmp_path / "data")
     eagle3_head.train(SETTINGS, tiny_pair.target, data, tmp_path / "a", stop_after=1, progress=False)
@@ -289,12 +316,15 @@ def test_aux_layers_beyond_the_target_are_refused_and_other_choices_get_their_ow
     assert train_drafter.aux_tag((2, 15, 30), 30) == "-aux2-15-30"
 
 
-def test_each_setting_away_from_its_default_gets_its_own_checkpoint_and_defaults_keep_the_older_name():
+def test_each_setting_away_from_its_default_gets_its_own_checkpoint_and_float32_features_keep_the_older_name():
     from vllm_dsbd import cli
     from vllm_dsbd.draft import train_drafter
+    from vllm_dsbd.dtypes import machine_dtype
 
-    def name(*flags):
-        return train_drafter.checkpoint_name(cli.build_parser().parse_args(["train-drafter", "--out", "x", *flags]), 30)
+    def name(*flags):  # float32 features unless the flags say
+        dtype = [] if "--features-dtype" in flags else ["--features-dtype", "float32"]
+        return train_drafter.checkpoint_name(cli.build_parser().parse_args(["train-drafter", "--out", "x", *dtype,
+                                                                            *flags]), 30)
 
     assert name() == "head-default-seed0-v8192-ttt3-tok500000"
     assert name("--aux-layers", "2,15,27") == name()
@@ -303,6 +333,8 @@ def test_each_setting_away_from_its_default_gets_its_own_checkpoint_and_defaults
     assert (name("--head-layers", "2", "--aux-layers", "2,15,30", "--fc-norm", "--teacher-temperature", "0")
             == name() + "-layers2-aux2-15-30-fcnorm-t0")
     assert name("--from-pretrained", "heads/default-ttt1/") == name() + "-from-default-ttt1"
+    assert name("--fc-norm", "--features-dtype", "bfloat16") == name() + "-fcnorm-featbf16"
+    assert name("--features-dtype", "auto") == name("--features-dtype", machine_dtype().dtype)
 
 
 @pytest.mark.parametrize("steps, expected", [(2, [1.0, 0.0]), (1, [0.0, 0.0])])

@@ -61,6 +61,7 @@ class HeadSettings:
     teacher_temperature: float = 1.0  # of the teacher's answers it trains on (0: the target's greedy answers)
     fc_norm: bool = False  # an RMSNorm on each aux state before ``fc`` (speculators' and vLLM's ``fc_norm``)
     from_pretrained: str = ""  # an exported head whose weights and draft vocabulary the run starts from
+    features_dtype: str = "float32"  # the target's dtype computing its features (FEATURE_DTYPES; stored in bf16)
 
 
 _DEFAULTS = {f.name: f.default for f in fields(HeadSettings) if f.default is not MISSING}
@@ -180,10 +181,10 @@ class TargetFeatures:
     """The target's aux hidden states (vLLM's ids: id i is the residual stream entering layer i, id L the last
     layer's output before the final norm) and its last pre-norm state, from Hugging Face transformers."""
 
-    def __init__(self, target_dir: Path, aux_ids: tuple[int, ...], device: str = "cpu"):
+    def __init__(self, target_dir: Path, aux_ids: tuple[int, ...], device: str = "cpu", dtype: str = "float32"):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=FEATURE_DTYPES[dtype]).to(device).eval()
         self.aux_ids = tuple(sorted(set(aux_ids)))  # vLLM exports them in ascending order
         self.device = torch.device(device)
 
@@ -203,11 +204,20 @@ class TargetFeatures:
 
 
 FEATURE_DTYPE = torch.bfloat16  # what the head's bf16 autocast would make of them anyway
+FEATURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""The dtypes the target may compute the features in (``--features-dtype``): bf16 is about 2.5-3x faster on a
+CPU with native bf16, and it is what the engine's target computes there (docs/eagle3.md)."""
 
 
-def feature_dir(data_dir: Path, aux_ids: tuple[int, ...], max_len: int) -> Path:
-    """Where the features of the teacher rows in ``data_dir`` are stored, per aux layers and row length."""
-    return Path(data_dir) / f"features-aux{'-'.join(map(str, sorted(set(aux_ids))))}-len{max_len}"
+def _store_prefix(dtype: str) -> str:
+    """Feature stores' names start with this (float32: the name older versions used)."""
+    return "features-aux" if dtype == "float32" else "features-bf16-aux"
+
+
+def feature_dir(data_dir: Path, aux_ids: tuple[int, ...], max_len: int, dtype: str = "float32") -> Path:
+    """Where the features of the teacher rows in ``data_dir`` are stored, per aux layers, row length and the
+    dtype the target computed them in."""
+    return Path(data_dir) / f"{_store_prefix(dtype)}{'-'.join(map(str, sorted(set(aux_ids))))}-len{max_len}"
 
 
 def _feature_path(out: Path, index: int) -> Path:
@@ -224,13 +234,13 @@ def _shard_rows(data_dir: Path, index: int, max_len: int) -> list[dict]:
 
 
 def store_features(target_dir: Path, data_dir: Path, aux_ids: tuple[int, ...], max_len: int,
-                   progress: bool = True, device: str = "cpu") -> Path:
+                   progress: bool = True, device: str = "cpu", dtype: str = "float32") -> Path:
     """The target's features of every teacher row, computed once: one file per teacher shard (``aux`` and
     ``last`` of all its rows, concatenated, in ``FEATURE_DTYPE``), so a stopped run resumes at the next shard
     and shards the teacher adds later are computed when training next starts."""
     from tqdm import tqdm
 
-    out = feature_dir(data_dir, aux_ids, max_len)
+    out = feature_dir(data_dir, aux_ids, max_len, dtype)
     out.mkdir(parents=True, exist_ok=True)
     todo = [i for i in range(teacher.num_shards(data_dir)) if not _feature_path(out, i).exists()]
     if not todo:
@@ -238,9 +248,9 @@ def store_features(target_dir: Path, data_dir: Path, aux_ids: tuple[int, ...], m
     layers = json.loads((Path(target_dir) / "config.json").read_text())["num_hidden_layers"]
     features = None
     for i in tqdm(todo, desc="target features", unit="shard", disable=not progress):
-        shard = _derived_features(data_dir, out, i, aux_ids, layers)
+        shard = _derived_features(data_dir, out, i, aux_ids, layers, dtype)
         if shard is None:
-            features = features or TargetFeatures(target_dir, aux_ids, device)
+            features = features or TargetFeatures(target_dir, aux_ids, device, dtype)
             started = time.monotonic()
             rows = _shard_rows(data_dir, i, max_len)
             pieces = [features(r["ids"]) for r in rows]
@@ -254,13 +264,14 @@ def store_features(target_dir: Path, data_dir: Path, aux_ids: tuple[int, ...], m
     return out
 
 
-def _derived_features(data_dir: Path, out: Path, index: int, aux_ids: tuple[int, ...], layers: int) -> dict | None:
-    """Shard ``index``'s features for ``aux_ids``, cut from another store of the same rows that holds every id
-    they name (id ``layers``, the last layer's output, is every store's ``last``), or None if none does. Its
-    ``seconds`` are the source's: what computing these features cost."""
-    want = sorted(set(aux_ids))
-    for other in sorted(Path(data_dir).glob(f"features-aux*-{out.name.rsplit('-', 1)[-1]}")):
-        ids = [int(x) for x in other.name[len("features-aux"):].rsplit("-", 1)[0].split("-")]
+def _derived_features(data_dir: Path, out: Path, index: int, aux_ids: tuple[int, ...], layers: int,
+                      dtype: str = "float32") -> dict | None:
+    """Shard ``index``'s features for ``aux_ids``, cut from another store of the same rows and dtype that holds
+    every id they name (id ``layers``, the last layer's output, is every store's ``last``), or None if none
+    does. Its ``seconds`` are the source's: what computing these features cost."""
+    want, prefix = sorted(set(aux_ids)), _store_prefix(dtype)
+    for other in sorted(Path(data_dir).glob(f"{prefix}*-{out.name.rsplit('-', 1)[-1]}")):
+        ids = [int(x) for x in other.name[len(prefix):].rsplit("-", 1)[0].split("-")]
         if other == out or not _feature_path(other, index).exists() or not set(want) <= {*ids, layers}:
             continue
         shard = torch.load(_feature_path(other, index), mmap=True, weights_only=True)
@@ -334,7 +345,8 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / CHECKPOINT
     rows = training_rows(data_dir, settings.max_len)
-    stored = store_features(target_dir, data_dir, settings.aux_ids, settings.max_len, progress, device)
+    stored = store_features(target_dir, data_dir, settings.aux_ids, settings.max_len, progress, device,
+                            settings.features_dtype)
     row_features, feature_seconds = stored_features(stored, teacher.num_shards(data_dir))
     if [len(r["ids"]) for r in rows] != [len(aux) for aux, _ in row_features]:
         raise Refused(f"the stored features in {stored} do not match the teacher rows in {data_dir}; "

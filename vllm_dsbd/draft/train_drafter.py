@@ -67,8 +67,17 @@ def checkpoint_name(args: argparse.Namespace, target_layers: int) -> str:
     return (f"head-{args.pair}-seed{args.seed}-v{args.draft_vocab_size}-ttt{args.ttt_steps}-tok{args.tokens}"
             + (f"-layers{args.head_layers}" if args.head_layers != 1 else "")
             + aux_tag(args.aux_layers, target_layers) + ("-fcnorm" if args.fc_norm else "")
-            + data_tag(args.teacher_temperature)
+            + data_tag(args.teacher_temperature) + ("-featbf16" if features_dtype(args) == "bfloat16" else "")
             + (f"-from-{Path(args.from_pretrained).resolve().name}" if args.from_pretrained else ""))
+
+
+def features_dtype(args: argparse.Namespace) -> str:
+    """``--features-dtype``: "auto" is the machine's faster dtype (``dtypes.machine_dtype``)."""
+    if args.features_dtype == "auto":
+        from vllm_dsbd.dtypes import machine_dtype
+
+        return machine_dtype().dtype
+    return args.features_dtype
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -90,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-pretrained", default=None,
                    help="an exported head (train-drafter --out) to start from: its weights and draft vocabulary; "
                         "the other settings must be its own; its own checkpoint")
+    p.add_argument("--features-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="dtype the target computes the head's training features in (auto: bfloat16 on a machine "
+                        "with native bf16, else float32; own feature store and checkpoint for bfloat16)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
@@ -122,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     settings = eagle3_head.HeadSettings(
         aux_ids=aux_ids, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
         lr=args.lr, batch_tokens=args.batch_tokens, tokens=args.tokens, seed=args.seed, num_layers=args.head_layers,
-        teacher_temperature=args.teacher_temperature, fc_norm=args.fc_norm,
+        teacher_temperature=args.teacher_temperature, fc_norm=args.fc_norm, features_dtype=features_dtype(args),
         from_pretrained=str(Path(args.from_pretrained).resolve()) if args.from_pretrained else "")
     ckpt = work / checkpoint_name(args, layers)
     if args.stage in ("all", "teach"):
