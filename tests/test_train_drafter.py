@@ -262,10 +262,12 @@ def test_train_drafter_refuses_a_bad_value_naming_the_flag_and_what_is_allowed(f
 
 def test_a_refused_run_or_an_unprepared_pair_is_one_error_line_not_a_traceback(tmp_path, capsys):
     from vllm_dsbd import cli, pairs
+    from vllm_dsbd.draft import train_drafter
+    from vllm_dsbd.dtypes import machine_dtype
 
     pairs.prepare()  # the default pair, so that only the refusal stops the run
 
-    data = tmp_path / "teacher-default-seed0"
+    data = tmp_path / f"teacher-default-seed0{train_drafter.dtype_tag(machine_dtype().dtype)}"  # --teacher-dtype auto
     assert cli.main(["train-drafter", "--out", str(tmp_path / "head"), "--stage", "train",
                      "--work-dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err == f"error: no teacher shards in {data}: run the 'teach' stage first\n"
@@ -297,12 +299,18 @@ def test_device_is_refused_naming_the_devices_this_machine_has(monkeypatch, caps
             eagle3_head.training_device(bad)
 
 
-def test_greedy_teacher_data_and_its_heads_live_apart_from_sampled_ones():
-    """``--teacher-temperature 0``: its own teacher folder and checkpoint names; T 1 keeps the older names."""
+def test_greedy_or_bf16_teacher_data_and_its_heads_live_apart_from_sampled_float32_ones():
+    """``--teacher-temperature 0``, ``--teacher-dtype bfloat16``: their own teacher folder and checkpoint names;
+    T 1 in float32 keeps the older names."""
     from vllm_dsbd.draft import train_drafter
 
     assert train_drafter.data_tag(1.0) == "" and train_drafter.data_tag(0.0) == "-t0"
     assert train_drafter.data_tag(0.7) == "-t0.7"
+    assert train_drafter.dtype_tag("float32") == "" and train_drafter.dtype_tag("bfloat16") == "-bf16"
+    from vllm_dsbd.draft import teacher
+
+    assert teacher.engine_kwargs("t", teacher.TeacherConfig())["dtype"] == "float32"
+    assert teacher.engine_kwargs("t", teacher.TeacherConfig(dtype="bfloat16"))["dtype"] == "bfloat16"
 
 
 def test_aux_layers_beyond_the_target_are_refused_and_other_choices_get_their_own_checkpoint():
@@ -316,13 +324,13 @@ def test_aux_layers_beyond_the_target_are_refused_and_other_choices_get_their_ow
     assert train_drafter.aux_tag((2, 15, 30), 30) == "-aux2-15-30"
 
 
-def test_each_setting_away_from_its_default_gets_its_own_checkpoint_and_float32_features_keep_the_older_name():
+def test_each_setting_away_from_its_default_gets_its_own_checkpoint_and_float32_data_keeps_the_older_name():
     from vllm_dsbd import cli
     from vllm_dsbd.draft import train_drafter
     from vllm_dsbd.dtypes import machine_dtype
 
-    def name(*flags):  # float32 features unless the flags say
-        dtype = [] if "--features-dtype" in flags else ["--features-dtype", "float32"]
+    def name(*flags):  # a float32 teacher and features unless the flags say
+        dtype = [x for flag in ("--teacher-dtype", "--features-dtype") if flag not in flags for x in (flag, "float32")]
         return train_drafter.checkpoint_name(cli.build_parser().parse_args(["train-drafter", "--out", "x", *dtype,
                                                                             *flags]), 30)
 
@@ -334,7 +342,10 @@ def test_each_setting_away_from_its_default_gets_its_own_checkpoint_and_float32_
             == name() + "-layers2-aux2-15-30-fcnorm-t0")
     assert name("--from-pretrained", "heads/default-ttt1/") == name() + "-from-default-ttt1"
     assert name("--fc-norm", "--features-dtype", "bfloat16") == name() + "-fcnorm-featbf16"
-    assert name("--features-dtype", "auto") == name("--features-dtype", machine_dtype().dtype)
+    assert name("--teacher-dtype", "bfloat16") == name() + "-teachbf16"
+    dtype = machine_dtype().dtype
+    assert name("--teacher-dtype", "auto", "--features-dtype", "auto") == name("--teacher-dtype", dtype,
+                                                                               "--features-dtype", dtype)
 
 
 @pytest.mark.parametrize("steps, expected", [(2, [1.0, 0.0]), (1, [0.0, 0.0])])

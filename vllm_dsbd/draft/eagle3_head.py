@@ -61,6 +61,7 @@ class HeadSettings:
     teacher_temperature: float = 1.0  # of the teacher's answers it trains on (0: the target's greedy answers)
     fc_norm: bool = False  # an RMSNorm on each aux state before ``fc`` (speculators' and vLLM's ``fc_norm``)
     from_pretrained: str = ""  # an exported head whose weights and draft vocabulary the run starts from
+    teacher_dtype: str = "float32"  # the target's dtype writing the teacher answers (draft.teacher.TeacherConfig)
     features_dtype: str = "float32"  # the target's dtype computing its features (FEATURE_DTYPES; stored in bf16)
 
 

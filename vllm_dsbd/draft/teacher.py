@@ -31,6 +31,7 @@ class TeacherConfig:
     top_k: int = 64  # 0: answers only (no log-probs)
     temperature: float = 1.0  # of the answers (0: greedy); the log-probs stay the target's at T 1
     max_num_seqs: int = 128  # sequences vLLM decodes together
+    dtype: str = "float32"  # the target's (bfloat16: about 1.7x faster on a CPU with native bf16)
     kv_cache_bytes: int = 3 << 30
 
 
@@ -94,7 +95,7 @@ def engine_kwargs(target_dir: Path, cfg: TeacherConfig) -> dict:
     return dict(
         model=str(target_dir),
         distributed_executor_backend="uni",  # in this process: see start_engine
-        dtype="float32",
+        dtype=cfg.dtype,
         enforce_eager=True,
         seed=0,
         max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,

@@ -61,23 +61,30 @@ def data_tag(teacher_temperature: float) -> str:
     return "" if teacher_temperature == 1.0 else f"-t{teacher_temperature:g}"
 
 
+def dtype_tag(dtype: str) -> str:
+    """The suffix of the teacher folder for answers of a bf16 target (none in float32: the name older versions
+    used)."""
+    return "" if dtype == "float32" else "-bf16"
+
+
 def checkpoint_name(args: argparse.Namespace, target_layers: int) -> str:
     """The checkpoint folder of a run: a suffix per setting away from its default (none: the names older
     versions used), since a checkpoint resumes only with the settings it was trained with."""
     return (f"head-{args.pair}-seed{args.seed}-v{args.draft_vocab_size}-ttt{args.ttt_steps}-tok{args.tokens}"
             + (f"-layers{args.head_layers}" if args.head_layers != 1 else "")
             + aux_tag(args.aux_layers, target_layers) + ("-fcnorm" if args.fc_norm else "")
-            + data_tag(args.teacher_temperature) + ("-featbf16" if features_dtype(args) == "bfloat16" else "")
+            + data_tag(args.teacher_temperature) + ("-teachbf16" if target_dtype(args.teacher_dtype) == "bfloat16" else "")
+            + ("-featbf16" if target_dtype(args.features_dtype) == "bfloat16" else "")
             + (f"-from-{Path(args.from_pretrained).resolve().name}" if args.from_pretrained else ""))
 
 
-def features_dtype(args: argparse.Namespace) -> str:
-    """``--features-dtype``: "auto" is the machine's faster dtype (``dtypes.machine_dtype``)."""
-    if args.features_dtype == "auto":
+def target_dtype(asked: str) -> str:
+    """``--teacher-dtype`` / ``--features-dtype``: "auto" is the machine's faster dtype (``dtypes.machine_dtype``)."""
+    if asked == "auto":
         from vllm_dsbd.dtypes import machine_dtype
 
         return machine_dtype().dtype
-    return args.features_dtype
+    return asked
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,6 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-pretrained", default=None,
                    help="an exported head (train-drafter --out) to start from: its weights and draft vocabulary; "
                         "the other settings must be its own; its own checkpoint")
+    p.add_argument("--teacher-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="dtype the target writes its training answers in (auto: bfloat16 on a machine with native "
+                        "bf16, else float32; own teacher folder and checkpoint for bfloat16)")
     p.add_argument("--features-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="dtype the target computes the head's training features in (auto: bfloat16 on a machine "
                         "with native bf16, else float32; own feature store and checkpoint for bfloat16)")
@@ -128,19 +138,22 @@ def run(args: argparse.Namespace) -> int:
     target = Path(pairs.pair_paths(args.pair, args.cache_dir).target)
     work = Path(args.work_dir) if args.work_dir else models.cache_root(args.cache_dir) / "eagle3-work"
     tag = data_tag(args.teacher_temperature)
-    data = work / f"teacher-{args.pair}-seed{args.seed}{tag}"
+    teach_dtype = target_dtype(args.teacher_dtype)
+    data = work / f"teacher-{args.pair}-seed{args.seed}{tag}{dtype_tag(teach_dtype)}"
     layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
     aux_ids = aux_layer_ids(args.aux_layers, layers)
     settings = eagle3_head.HeadSettings(
         aux_ids=aux_ids, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
         lr=args.lr, batch_tokens=args.batch_tokens, tokens=args.tokens, seed=args.seed, num_layers=args.head_layers,
-        teacher_temperature=args.teacher_temperature, fc_norm=args.fc_norm, features_dtype=features_dtype(args),
+        teacher_temperature=args.teacher_temperature, fc_norm=args.fc_norm,
+        teacher_dtype=teach_dtype, features_dtype=target_dtype(args.features_dtype),
         from_pretrained=str(Path(args.from_pretrained).resolve()) if args.from_pretrained else "")
     ckpt = work / checkpoint_name(args, layers)
     if args.stage in ("all", "teach"):
         with tqdm(total=args.teach_tokens or args.tokens, desc="teacher", unit="tok", unit_scale=True) as bar:
             n = teacher.generate_shards(target, data, tokens=args.teach_tokens or args.tokens, seed=args.seed,
-                                        cfg=teacher.TeacherConfig(top_k=0, temperature=args.teacher_temperature),
+                                        cfg=teacher.TeacherConfig(top_k=0, temperature=args.teacher_temperature,
+                                                                  dtype=teach_dtype),
                                         progress=bar)
         print(f"teacher data: {n} shards in {data}")
     if args.stage in ("all", "train"):
