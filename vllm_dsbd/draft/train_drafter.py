@@ -13,6 +13,8 @@ import argparse
 import math
 from pathlib import Path
 
+from vllm_dsbd.dtypes import DTYPE_CHOICES
+
 
 def _layers(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
@@ -73,18 +75,17 @@ def checkpoint_name(args: argparse.Namespace, target_layers: int) -> str:
     return (f"head-{args.pair}-seed{args.seed}-v{args.draft_vocab_size}-ttt{args.ttt_steps}-tok{args.tokens}"
             + (f"-layers{args.head_layers}" if args.head_layers != 1 else "")
             + aux_tag(args.aux_layers, target_layers) + ("-fcnorm" if args.fc_norm else "")
-            + data_tag(args.teacher_temperature) + ("-teachbf16" if target_dtype(args.teacher_dtype) == "bfloat16" else "")
-            + ("-featbf16" if target_dtype(args.features_dtype) == "bfloat16" else "")
+            + data_tag(args.teacher_temperature) + ("-teachbf16" if target_dtype(args, "teacher") == "bfloat16" else "")
+            + ("-featbf16" if target_dtype(args, "features") == "bfloat16" else "")
             + (f"-from-{Path(args.from_pretrained).resolve().name}" if args.from_pretrained else ""))
 
 
-def target_dtype(asked: str) -> str:
-    """``--teacher-dtype`` / ``--features-dtype``: "auto" is the machine's faster dtype (``dtypes.machine_dtype``)."""
-    if asked == "auto":
-        from vllm_dsbd.dtypes import machine_dtype
+def target_dtype(args: argparse.Namespace, which: str) -> str:
+    """``--teacher-dtype`` / ``--features-dtype`` (``which``: teacher, features); "auto" is the machine's faster
+    dtype (``dtypes.resolve_dtype``)."""
+    from vllm_dsbd.dtypes import resolve_dtype
 
-        return machine_dtype().dtype
-    return asked
+    return resolve_dtype(getattr(args, f"{which}_dtype"), f"--{which}-dtype").dtype
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,10 +107,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-pretrained", default=None,
                    help="an exported head (train-drafter --out) to start from: its weights and draft vocabulary; "
                         "the other settings must be its own; its own checkpoint")
-    p.add_argument("--teacher-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    p.add_argument("--teacher-dtype", choices=DTYPE_CHOICES, default="auto",
                    help="dtype the target writes its training answers in (auto: bfloat16 on a machine with native "
                         "bf16, else float32; own teacher folder and checkpoint for bfloat16)")
-    p.add_argument("--features-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    p.add_argument("--features-dtype", choices=DTYPE_CHOICES, default="auto",
                    help="dtype the target computes the head's training features in (auto: bfloat16 on a machine "
                         "with native bf16, else float32; own feature store and checkpoint for bfloat16)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     target = Path(pairs.pair_paths(args.pair, args.cache_dir).target)
     work = Path(args.work_dir) if args.work_dir else models.cache_root(args.cache_dir) / "eagle3-work"
     tag = data_tag(args.teacher_temperature)
-    teach_dtype = target_dtype(args.teacher_dtype)
+    teach_dtype = target_dtype(args, "teacher")
     data = work / f"teacher-{args.pair}-seed{args.seed}{tag}{dtype_tag(teach_dtype)}"
     layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
     aux_ids = aux_layer_ids(args.aux_layers, layers)
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         aux_ids=aux_ids, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
         lr=args.lr, batch_tokens=args.batch_tokens, tokens=args.tokens, seed=args.seed, num_layers=args.head_layers,
         teacher_temperature=args.teacher_temperature, fc_norm=args.fc_norm,
-        teacher_dtype=teach_dtype, features_dtype=target_dtype(args.features_dtype),
+        teacher_dtype=teach_dtype, features_dtype=target_dtype(args, "features"),
         from_pretrained=str(Path(args.from_pretrained).resolve()) if args.from_pretrained else "")
     ckpt = work / checkpoint_name(args, layers)
     if args.stage in ("all", "teach"):
