@@ -367,6 +367,39 @@ def test_eval_head_counts_a_chain_as_agreed_only_while_every_draft_is_the_target
         for _ in range(13):
             chain.append(int(perm[chain[-1]]))
         seqs.append((chain[:2], chain[2:]))
-    result = eval_head.chain_agreement(head, eagle3_head.TargetFeatures(target, (0, 1, 2)), seqs, depth=2)
+    result = eval_head.chain_agreement(head, eagle3_head.TargetFeatures(target, (0, 1, 2)), seqs, depth=2,
+                                       scales=(1.0, 0.5))
     assert result["positions"] == 3 * 12
     assert result["agreement"] == pytest.approx(expected, abs=0.03)
+    # both distributions are nearly one-hot: they overlap fully where depth 1 agrees, hardly at all where it does not
+    assert result["overlap"] == pytest.approx({"1.0": expected[0], "0.5": expected[0]}, abs=0.05)
+
+
+def test_overlap_sums_the_smaller_probability_of_each_target_token_the_draft_vocabulary_maps_to():
+    """``eval_head.overlap`` against a direct sum over the full vocabulary, the head's probabilities scattered to
+    their target ids (id i + d2t[i]), at two draft temperature scales and without a d2t map."""
+    from vllm_dsbd.draft import eval_head
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, draft = 50, 12
+    target_ids = torch.randperm(vocab, generator=gen)[:draft].sort().values
+    d2t = target_ids - torch.arange(draft)
+    target_logits, head_logits = torch.randn(5, vocab, generator=gen), torch.randn(5, draft, generator=gen)
+    for scale in (1.0, 0.6):
+        p = torch.softmax(target_logits, -1)
+        q = torch.zeros(5, vocab)
+        q[:, target_ids] = torch.softmax(head_logits / scale, -1)
+        want = torch.tensor([sum(min(float(p[r, x]), float(q[r, x])) for x in range(vocab)) for r in range(5)])
+        assert torch.allclose(eval_head.overlap(target_logits, head_logits, d2t, scale), want, atol=1e-6)
+    same = eval_head.overlap(target_logits, target_logits * 2, None, 2.0)  # the same distribution: overlap 1
+    assert torch.allclose(same, torch.ones(5), atol=1e-6)
+
+
+@pytest.mark.parametrize("value", ["0", "-1,1", "1,x", "", "nan"])
+def test_eval_head_refuses_a_draft_temperature_scale_that_is_not_a_positive_number(value, capsys):
+    from vllm_dsbd import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["eval-head", "--head", "unused", f"--draft-temperature-scales={value}"])
+    assert (f"--draft-temperature-scales: {value!r} is invalid; allowed: finite numbers > 0 separated by commas"
+            in capsys.readouterr().err)

@@ -9,12 +9,18 @@ every draft is the target's own top-1 token (full vocabulary, after the
 head's ``d2t`` map). ``agreement[k-1]`` is the fraction of chains of k that
 agree: the expected acceptance of a depth-k chain at T = 0 (width 1);
 ``conditional[k-1]`` is depth k's agreement given depths 1..k-1 agreed.
+``overlap[s]`` is the mean over answer positions of sum_x min(p(x), q_s(x)),
+p the target's distribution at T = 1, q_s the head's at depth 1 at T = s
+(its draft vocabulary, 0 elsewhere): the chance that one draft sampled from
+the head is accepted at T = 1 (speculative sampling's alpha), the quantity
+DSBD's acceptance at T > 0 grows with, for each draft temperature scale s.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -29,8 +35,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=4, help="longest draft chain measured")
     p.add_argument("--num-prompts", type=int, default=len(EVAL_PROMPTS))
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--draft-temperature-scales", type=_scales, default=(1.0, 0.75),
+                   help="draft temperature scales s of the overlap at T 1, comma-separated (default: 1,0.75)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--cache-dir", default=None)
+
+
+def _scales(text: str) -> tuple[float, ...]:
+    try:
+        scales = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        scales = ()
+    if not scales or not all(math.isfinite(x) and x > 0 for x in scales):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: finite numbers > 0 separated by commas "
+                                         "(draft temperature scales, e.g. 1,0.75)")
+    return scales
+
+
+def overlap(target_logits: torch.Tensor, head_logits: torch.Tensor, d2t: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
+    """Per row, sum_x min(p(x), q(x)): p = softmax(target_logits) over the target's vocabulary, q =
+    softmax(head_logits / scale) over the head's draft vocabulary, draft id i standing for target id i + d2t[i]."""
+    p = torch.softmax(target_logits.float(), -1)
+    q = torch.softmax(head_logits.float() / scale, -1)
+    if d2t is not None:
+        p = p[..., torch.arange(q.shape[-1]) + d2t]
+    return torch.minimum(p, q).sum(-1)
 
 
 def load_head(head_dir: Path, target_dir: Path):
@@ -56,32 +86,45 @@ def load_head(head_dir: Path, target_dir: Path):
 
 
 @torch.no_grad()
-def chain_agreement(head, features, seqs: list[tuple[list[int], list[int]]], depth: int) -> dict:
-    """Per-depth agreement of ``head`` (see the module doc) on (prompt, answer) pairs; ``features`` is an
-    ``eagle3_head.TargetFeatures`` of the target."""
+def chain_agreement(head, features, seqs: list[tuple[list[int], list[int]]], depth: int,
+                    scales: tuple[float, ...] = (1.0,)) -> dict:
+    """Per-depth agreement and depth-1 overlap of ``head`` (see the module doc) on (prompt, answer) pairs;
+    ``features`` is an ``eagle3_head.TargetFeatures`` of the target."""
     from vllm_dsbd.draft.eagle3_head import example
 
     norm, lm_head = features.model.model.norm, features.model.lm_head
     hits, cond_total, total = torch.zeros(depth), torch.zeros(depth), torch.zeros(depth)
-    for prompt, answer in seqs:
-        ids = list(prompt) + list(answer)
-        aux, last = features(ids)
-        best = lm_head(norm(last)).argmax(-1)  # best[q]: the target's top-1 after position q
-        ex = example(ids, len(prompt), aux, last)
-        drafts = head(hidden_states=ex["hidden_states"], input_ids=ex["input_ids"], document_ids=ex["document_ids"],
-                      position_ids=ex["position_ids"], ttt_steps=depth)
-        n = len(ids)
-        ok = torch.ones(n, dtype=torch.bool)  # the chain from row p agreed so far
-        for k, d in enumerate(drafts):  # d[0, p]: the draft after position p + k
-            tokens = d[0] if head.d2t is None else d[0] + head.d2t[d[0]]
-            rows = torch.arange(len(prompt) - 1, n - 1 - k)  # chains whose k-th draft is an answer token
-            step = tokens[rows] == best[rows + k]
-            cond_total[k] += ok[rows].sum()
-            ok[rows] &= step
-            hits[k] += ok[rows].sum()
-            total[k] += len(rows)
+    overlaps = torch.zeros(len(scales))
+    head_logits = []  # the head's logits of each unrolled step, in order
+    hook = head.lm_head.register_forward_hook(lambda _m, _i, out: head_logits.append(out[0]))
+    try:
+        for prompt, answer in seqs:
+            ids = list(prompt) + list(answer)
+            aux, last = features(ids)
+            target_logits = lm_head(norm(last))
+            best = target_logits.argmax(-1)  # best[q]: the target's top-1 after position q
+            ex = example(ids, len(prompt), aux, last)
+            head_logits.clear()
+            drafts = head(hidden_states=ex["hidden_states"], input_ids=ex["input_ids"], document_ids=ex["document_ids"],
+                          position_ids=ex["position_ids"], ttt_steps=depth)
+            n = len(ids)
+            rows = torch.arange(len(prompt) - 1, n - 1)  # depth 1's answer tokens
+            for j, s in enumerate(scales):
+                overlaps[j] += overlap(target_logits[rows], head_logits[0][rows], head.d2t, s).sum()
+            ok = torch.ones(n, dtype=torch.bool)  # the chain from row p agreed so far
+            for k, d in enumerate(drafts):  # d[0, p]: the draft after position p + k
+                tokens = d[0] if head.d2t is None else d[0] + head.d2t[d[0]]
+                rows = torch.arange(len(prompt) - 1, n - 1 - k)  # chains whose k-th draft is an answer token
+                step = tokens[rows] == best[rows + k]
+                cond_total[k] += ok[rows].sum()
+                ok[rows] &= step
+                hits[k] += ok[rows].sum()
+                total[k] += len(rows)
+    finally:
+        hook.remove()
     return {"agreement": [round(float(h / t), 4) for h, t in zip(hits, total)],
             "conditional": [round(float(h / c), 4) if c else None for h, c in zip(hits, cond_total)],
+            "overlap": {str(s): round(float(o / total[0]), 4) for s, o in zip(scales, overlaps)},
             "positions": int(total[0])}
 
 
@@ -101,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     seqs = sample_held_out(target_dir, prompts, max_new_tokens=args.max_new_tokens, seed=0, temperature=0.0)
     result = chain_agreement(load_head(head_dir, target_dir), TargetFeatures(target_dir,
                                                                              config["eagle_aux_hidden_state_layer_ids"]),
-                             seqs, args.depth)
+                             seqs, args.depth, args.draft_temperature_scales)
     result.update({
         "pair": args.pair, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "answers": "the target's greedy answers (vLLM, T = 0); features and top-1 from HF float32",
