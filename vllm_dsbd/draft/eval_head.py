@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_dsbd.draft.evaluate import overlap
 from vllm_dsbd.draft.prompts import EVAL_PROMPTS
 
 
@@ -50,17 +51,6 @@ def _scales(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: finite numbers > 0 separated by commas "
                                          "(draft temperature scales, e.g. 1,0.75)")
     return scales
-
-
-def overlap(target_logits: torch.Tensor, head_logits: torch.Tensor, d2t: torch.Tensor | None,
-            scale: float) -> torch.Tensor:
-    """Per row, sum_x min(p(x), q(x)): p = softmax(target_logits) over the target's vocabulary, q =
-    softmax(head_logits / scale) over the head's draft vocabulary, draft id i standing for target id i + d2t[i]."""
-    p = torch.softmax(target_logits.float(), -1)
-    q = torch.softmax(head_logits.float() / scale, -1)
-    if d2t is not None:
-        p = p[..., torch.arange(q.shape[-1]) + d2t]
-    return torch.minimum(p, q).sum(-1)
 
 
 def load_head(head_dir: Path, target_dir: Path):

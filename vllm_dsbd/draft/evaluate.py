@@ -79,6 +79,19 @@ def sample_held_out(target_dir: Path, prompts, *, max_new_tokens: int, seed: int
         llm.llm_engine.engine_core.shutdown()
 
 
+def overlap(target_logits, draft_logits, d2t=None, scale: float = 1.0):
+    """Per row, sum_x min(p(x), q(x)) (speculative sampling's alpha): p = softmax(target_logits) over the target's
+    vocabulary, q = softmax(draft_logits / scale); with ``d2t`` q is over a head's draft vocabulary, draft id i
+    standing for target id i + d2t[i] (q = 0 elsewhere)."""
+    import torch
+
+    p = torch.softmax(target_logits.float(), -1)
+    q = torch.softmax(draft_logits.float() / scale, -1)
+    if d2t is not None:
+        p = p[..., torch.arange(q.shape[-1]) + d2t]
+    return torch.minimum(p, q).sum(-1)
+
+
 def agreement(target, draft, seqs, temperatures=None) -> dict:
     """Per-position alpha at each temperature and greedy agreement, averaged over all answer positions."""
     import torch
@@ -93,7 +106,7 @@ def agreement(target, draft, seqs, temperatures=None) -> dict:
             lp = target(input_ids=ids).logits[0, sl].float()  # [L, V]
             lq = draft(input_ids=ids).logits[0, sl].float()
         for k, t in temperatures.items():
-            sums[k] += torch.minimum((lp / t).softmax(-1), (lq / t).softmax(-1)).sum(-1).sum().item()
+            sums[k] += overlap(lp / t, lq / t).sum().item()
         greedy += (lp.argmax(-1) == lq.argmax(-1)).sum().item()
         n += len(answer)
     out = {k: v / n for k, v in sums.items()}
