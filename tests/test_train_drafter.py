@@ -375,6 +375,34 @@ def test_eval_head_counts_a_chain_as_agreed_only_while_every_draft_is_the_target
     assert result["overlap"] == pytest.approx({"1.0": expected[0], "0.5": expected[0]}, abs=0.05)
 
 
+def test_eval_head_measures_the_pairs_small_draft_on_the_answer_positions_of_depth_1(tiny_pair):
+    """``eval-head --compare-pair-draft``: the small draft's top-1 agreement and overlap at T 1 over the answer
+    positions (each predicted from the tokens before it): the target as its own draft agrees everywhere, and the
+    tiny draft's counts equal a direct comparison of the two models' next-token logits."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_dsbd.draft import eval_head
+
+    features = eagle3_head.TargetFeatures(tiny_pair.target, (0, 1, 2))
+    gen = torch.Generator().manual_seed(3)
+    seqs = [(torch.randint(0, 1000, (n,), generator=gen).tolist(), torch.randint(0, 1000, (m,), generator=gen).tolist())
+            for n, m in ((4, 9), (7, 5), (2, 12))]
+    itself = eval_head.pair_draft_agreement(features, tiny_pair.target, seqs)
+    assert itself["positions"] == 9 + 5 + 12
+    assert itself["greedy_agreement"] == 1.0 and itself["overlap_t1"] == pytest.approx(1.0, abs=1e-4)
+    result = eval_head.pair_draft_agreement(features, tiny_pair.draft, seqs)
+    draft = AutoModelForCausalLM.from_pretrained(tiny_pair.draft, dtype=torch.float32)
+    hits = p_sum = 0.0
+    for prompt, answer in seqs:
+        with torch.no_grad():
+            lp, lq = (m(input_ids=torch.tensor([prompt + answer])).logits[0, len(prompt) - 1:-1]
+                      for m in (features.model, draft))
+        hits += float((lp.argmax(-1) == lq.argmax(-1)).sum())
+        p_sum += float(torch.minimum(lp.softmax(-1), lq.softmax(-1)).sum())
+    assert result["greedy_agreement"] == pytest.approx(hits / 26, abs=1e-4) and result["greedy_agreement"] < 1
+    assert result["overlap_t1"] == pytest.approx(p_sum / 26, abs=1e-4)
+
+
 def test_overlap_sums_the_smaller_probability_of_each_target_token_the_draft_vocabulary_maps_to():
     """``eval_head.overlap`` against a direct sum over the full vocabulary, the head's probabilities scattered to
     their target ids (id i + d2t[i]), at two draft temperature scales and without a d2t map."""

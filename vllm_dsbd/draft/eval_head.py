@@ -14,6 +14,9 @@ p the target's distribution at T = 1, q_s the head's at depth 1 at T = s
 (its draft vocabulary, 0 elsewhere): the chance that one draft sampled from
 the head is accepted at T = 1 (speculative sampling's alpha), the quantity
 DSBD's acceptance at T > 0 grows with, for each draft temperature scale s.
+With ``--compare-pair-draft`` the pair's small draft model is measured on the
+same positions (``pair_draft``: its top-1 agreement, which is depth 1's, and
+its overlap at T 1), the bar a head for that pair has to clear.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft-temperature-scales", type=_scales, default=(1.0, 0.75),
                    help="draft temperature scales s of the overlap at T 1, comma-separated (default: 1,0.75)")
+    p.add_argument("--compare-pair-draft", action="store_true",
+                   help="also measure the pair's small draft model on the same positions (result: pair_draft)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--cache-dir", default=None)
 
@@ -118,6 +123,20 @@ def chain_agreement(head, features, seqs: list[tuple[list[int], list[int]]], dep
             "positions": int(total[0])}
 
 
+def pair_draft_agreement(features, draft_dir: Path, seqs: list[tuple[list[int], list[int]]]) -> dict:
+    """A small draft model's top-1 agreement with the target and its overlap at T 1 (both models at T 1), on the
+    answer positions ``chain_agreement`` measures; ``features`` holds the target (float32)."""
+    from vllm_dsbd.draft.eagle3_head import Refused
+    from vllm_dsbd.draft.evaluate import agreement, load
+
+    draft = load(draft_dir)
+    if draft.config.vocab_size != features.model.config.vocab_size:
+        raise Refused(f"{draft_dir}: vocabulary {draft.config.vocab_size} is not the target's "
+                      f"{features.model.config.vocab_size}")
+    result = agreement(features.model, draft, seqs, {"overlap_t1": 1.0})
+    return {"draft": str(draft_dir), **{k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}}
+
+
 def run(args: argparse.Namespace) -> int:
     from vllm_dsbd import pairs
     from vllm_dsbd.draft import distill
@@ -132,9 +151,11 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     prompts = list(EVAL_PROMPTS[: args.num_prompts])
     seqs = sample_held_out(target_dir, prompts, max_new_tokens=args.max_new_tokens, seed=0, temperature=0.0)
-    result = chain_agreement(load_head(head_dir, target_dir), TargetFeatures(target_dir,
-                                                                             config["eagle_aux_hidden_state_layer_ids"]),
-                             seqs, args.depth, args.draft_temperature_scales)
+    features = TargetFeatures(target_dir, config["eagle_aux_hidden_state_layer_ids"])
+    result = chain_agreement(load_head(head_dir, target_dir), features, seqs, args.depth, args.draft_temperature_scales)
+    if args.compare_pair_draft:
+        result["pair_draft"] = pair_draft_agreement(features, Path(pairs.pair_paths(args.pair, args.cache_dir).draft),
+                                                    seqs)
     result.update({
         "pair": args.pair, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "answers": "the target's greedy answers (vLLM, T = 0); features and top-1 from HF float32",
