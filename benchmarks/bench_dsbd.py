@@ -117,13 +117,14 @@ def run(args: argparse.Namespace) -> dict:
         knobs = {"draft_vocab_size": vocab_size} if vocab_size else {}
         if args.draft_dtype != "auto":
             knobs["draft_dtype"] = args.draft_dtype
-        if args.draft_in_step != "off":
+        head = _is_head(draft)
+        if args.draft_in_step != "off" and head:  # a draft model drafts in draft steps (the knob is refused)
             knobs["draft_in_step"] = True
         llm = LLM(**dsbd_engine_kwargs(target, draft, max(max(gammas), auto_max, 1), args.width, dtype.dtype,
                                        **knobs), disable_log_stats=False)
         # γ 0 runs no draft: the first engine's in-engine rows are every engine's baseline
         rows += _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft, vocab_size, baselines,
-                          with_baseline=engine_index == 0, in_step=in_step, scales=scales)
+                          with_baseline=engine_index == 0, in_step=in_step if head else [False], scales=scales)
         llm.llm_engine.engine_core.shutdown()
         del llm
     return {
@@ -150,6 +151,17 @@ def _label(row: dict) -> str:
     scale = row.get("draft_temperature_scale", 1.0)
     return (row["method"] + (" in-step" if row.get("draft_in_step") else "")
             + (f" q-T x{scale:g}" if scale != 1 else ""))
+
+
+def _is_head(draft: str) -> bool:
+    """Whether ``draft`` is an EAGLE-3 head (the knob ``draft_in_step`` is for heads only)."""
+    import json
+    from types import SimpleNamespace
+
+    from vllm_dsbd.engine.eagle3 import head_architecture
+
+    config = json.loads((Path(draft) / "config.json").read_text())
+    return head_architecture(SimpleNamespace(architectures=config.get("architectures"))) is not None
 
 
 def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft, vocab_size, baselines,
@@ -301,7 +313,7 @@ def main() -> None:
     parser.add_argument("--draft-in-step", choices=("off", "on", "both"), default="off",
                         help="the knob draft_in_step (an EAGLE-3 head drafts each forest inside the verify step "
                              "before it); both: one engine with it, every fixed-depth DSBD row run with it and "
-                             "without it (per request), in turn")
+                             "without it (per request), in turn; a draft model's engine runs draft steps")
     parser.add_argument("--draft-temperature-scales", default="draft",
                         help="the knob draft_temperature_scale (the draft samples at T x this), comma-separated: "
                              "every DSBD row at T > 0 once per value, in turn; 'draft': the knob not sent, the "
