@@ -96,6 +96,8 @@ def agreement(target, draft, seqs, temperatures=None) -> dict:
     """Per-position alpha at each temperature and greedy agreement, averaged over all answer positions."""
     import torch
 
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"draft vocab {draft.config.vocab_size} != target vocab {target.config.vocab_size}")
     temperatures = temperatures or {"alpha_t1": 1.0, "alpha_t07": 0.7}
     sums = {k: 0.0 for k in temperatures}
     greedy, n = 0, 0
@@ -172,8 +174,6 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     seqs = sample_held_out(target_dir, prompts, max_new_tokens=args.max_new_tokens, seed=args.seed)
     target, draft = load(target_dir), load(draft_dir)
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"draft vocab {draft.config.vocab_size} != target vocab {target.config.vocab_size}")
     result = agreement(target, draft, seqs)
     result.update(cost_ratio(target, draft, repeats=args.cost_repeats))
     result.update({
