@@ -255,7 +255,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     s = result["settings"]
-    fig, axes = plt.subplots(1, len(s["temperatures"]), figsize=(5 * len(s["temperatures"]), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(s["temperatures"]), figsize=(5 * len(s["temperatures"]), 6.5), squeeze=False)
     for ax, temperature in zip(axes[0], s["temperatures"]):
         rows = [r for r in result["results"] if r["temperature"] == temperature]
         engines = sorted({(r.get("draft"), r.get("draft_vocab_size", 0), bool(r.get("draft_in_step")),
@@ -283,7 +283,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(f"T={temperature}, W={s['width']}, {s['num_prompts']} prompts x {s['max_tokens']} tokens, "
                      f"{s.get('dtype', 'float32')}, "
                      f"{result['machine']['cpu']}, worker cores {s.get('omp_threads_bind', 'auto')}", fontsize=8)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14))  # below: never over the points
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
