@@ -431,3 +431,20 @@ def test_eval_head_refuses_a_draft_temperature_scale_that_is_not_a_positive_numb
         cli.main(["eval-head", "--head", "unused", f"--draft-temperature-scales={value}"])
     assert (f"--draft-temperature-scales: {value!r} is invalid; allowed: finite numbers > 0 separated by commas"
             in capsys.readouterr().err)
+
+
+def test_a_pair_draft_of_another_vocabulary_is_refused_naming_it(tiny_pair, tmp_path):
+    """``evaluate.agreement`` (eval-draft, eval-head --compare-pair-draft) refuses a draft whose vocabulary is not
+    the target's, naming the draft's folder and both sizes, before comparing any logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vllm_dsbd.draft import eval_head
+
+    other = tmp_path / "other-vocab-draft"
+    LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(other)
+    features = eagle3_head.TargetFeatures(tiny_pair.target, (0, 1, 2))
+    vocab = features.model.config.vocab_size
+    assert vocab != 50
+    with pytest.raises(ValueError, match=rf"{other.name}: vocabulary 50 is not the target's {vocab}"):
+        eval_head.pair_draft_agreement(features, other, [([1, 2], [3, 4])])

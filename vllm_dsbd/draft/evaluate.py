@@ -97,7 +97,9 @@ def agreement(target, draft, seqs, temperatures=None) -> dict:
     import torch
 
     if draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"draft vocab {draft.config.vocab_size} != target vocab {target.config.vocab_size}")
+        name = getattr(draft.config, "_name_or_path", "") or "the draft"
+        raise ValueError(f"{name}: vocabulary {draft.config.vocab_size} is not the target's "
+                         f"{target.config.vocab_size} (a draft must share the target's tokens)")
     temperatures = temperatures or {"alpha_t1": 1.0, "alpha_t07": 0.7}
     sums = {k: 0.0 for k in temperatures}
     greedy, n = 0, 0
