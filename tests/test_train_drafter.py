@@ -251,6 +251,7 @@ def test_a_pretrained_head_built_otherwise_is_refused_naming_each_mismatch(tiny_
 @pytest.mark.parametrize("flag, value, allowed", [
     *[("--teacher-temperature", v, "a finite number >= 0") for v in ("-1", "nan", "inf", "hot")],
     *[("--aux-layers", v, "distinct layer ids >= 0") for v in ("2,15,x", "2,,3", "1,-2", "4,4")],
+    *[("--shards", v, "an integer >= 0") for v in ("-1", "2.5", "six")],
 ])
 def test_train_drafter_refuses_a_bad_value_naming_the_flag_and_what_is_allowed(flag, value, allowed, capsys):
     from vllm_dsbd import cli
@@ -341,6 +342,8 @@ def test_each_setting_away_from_its_default_gets_its_own_checkpoint_and_float32_
     assert (name("--head-layers", "2", "--aux-layers", "2,15,30", "--fc-norm", "--teacher-temperature", "0")
             == name() + "-layers2-aux2-15-30-fcnorm-t0")
     assert name("--from-pretrained", "heads/default-ttt1/") == name() + "-from-default-ttt1"
+    assert name("--shards", "6", "--from-pretrained", "h1") == name() + "-shards6-from-h1"
+    assert name("--shards", "0") == name()
     assert name("--fc-norm", "--features-dtype", "bfloat16") == name() + "-fcnorm-featbf16"
     assert name("--teacher-dtype", "bfloat16") == name() + "-teachbf16"
     dtype = machine_dtype().dtype

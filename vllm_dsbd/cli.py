@@ -71,6 +71,12 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     return _reporting(train_drafter.run, args, (eagle3_head.Refused,))
 
 
+def _cmd_build_head(args: argparse.Namespace) -> int:
+    from vllm_dsbd.draft import build_head, eagle3_head
+
+    return _reporting(lambda a: build_head.run(a, build_parser().parse_args), args, (eagle3_head.Refused,))
+
+
 def _cmd_dtype(args: argparse.Namespace) -> int:
     choice = machine_dtype()
     print(choice.dtype)
@@ -142,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     eval_head.add_arguments(eh)
     _add_pair_argument(eh)
     eh.set_defaults(func=_cmd_eval_head)
+
+    from vllm_dsbd.draft import build_head
+
+    bh = sub.add_parser("build-head", help="rebuild a pair's EAGLE-3 head from its recipe: the chain of "
+                                           "train-drafter runs it was made by, then eval-head (resumable)")
+    build_head.add_arguments(bh)
+    _add_pair_argument(bh)
+    bh.set_defaults(func=_cmd_build_head)
     return parser
 
 

@@ -63,6 +63,7 @@ class HeadSettings:
     from_pretrained: str = ""  # an exported head whose weights and draft vocabulary the run starts from
     teacher_dtype: str = "float32"  # the target's dtype writing the teacher answers (draft.teacher.TeacherConfig)
     features_dtype: str = "float32"  # the target's dtype computing its features (FEATURE_DTYPES; stored in bf16)
+    shards: int = 0  # teacher shards 0..shards-1 it trains on (0: every shard in the teacher folder)
 
 
 _DEFAULTS = {f.name: f.default for f in fields(HeadSettings) if f.default is not MISSING}
@@ -235,15 +236,17 @@ def _shard_rows(data_dir: Path, index: int, max_len: int) -> list[dict]:
 
 
 def store_features(target_dir: Path, data_dir: Path, aux_ids: tuple[int, ...], max_len: int,
-                   progress: bool = True, device: str = "cpu", dtype: str = "float32") -> Path:
+                   progress: bool = True, device: str = "cpu", dtype: str = "float32",
+                   num_shards: int | None = None) -> Path:
     """The target's features of every teacher row, computed once: one file per teacher shard (``aux`` and
     ``last`` of all its rows, concatenated, in ``FEATURE_DTYPE``), so a stopped run resumes at the next shard
-    and shards the teacher adds later are computed when training next starts."""
+    and shards the teacher adds later are computed when training next starts (``num_shards``: of shards
+    0..num_shards-1 only; default every shard in ``data_dir``)."""
     from tqdm import tqdm
 
     out = feature_dir(data_dir, aux_ids, max_len, dtype)
     out.mkdir(parents=True, exist_ok=True)
-    todo = [i for i in range(teacher.num_shards(data_dir)) if not _feature_path(out, i).exists()]
+    todo = [i for i in range(num_shards or teacher.num_shards(data_dir)) if not _feature_path(out, i).exists()]
     if not todo:
         return out
     layers = json.loads((Path(target_dir) / "config.json").read_text())["num_hidden_layers"]
@@ -309,9 +312,22 @@ def example(ids: list[int], prompt_len: int, aux: torch.Tensor, last: torch.Tens
             "document_ids": torch.zeros((1, n), dtype=torch.long)}
 
 
-def training_rows(data_dir: Path, max_len: int) -> list[dict]:
-    """Every (prompt, answer) row of the teacher shards in ``data_dir``, in shard order, cut to ``max_len``."""
-    rows = [r for i in range(teacher.num_shards(data_dir)) for r in _shard_rows(data_dir, i, max_len)]
+def training_shards(data_dir: Path, shards: int) -> int:
+    """How many teacher shards a run trains on: ``shards`` (``HeadSettings.shards``; 0: every shard in
+    ``data_dir``), refused while the teacher has not written them."""
+    present = teacher.num_shards(data_dir)
+    if not present:
+        raise Refused(f"no teacher shards in {data_dir}: run the 'teach' stage first")
+    if present < shards:
+        raise Refused(f"--shards {shards}: {present} teacher shards in {data_dir}; run the 'teach' stage with "
+                      f"--shards {shards} first")
+    return shards or present
+
+
+def training_rows(data_dir: Path, max_len: int, num_shards: int | None = None) -> list[dict]:
+    """Every (prompt, answer) row of the teacher shards in ``data_dir`` (``num_shards``: of shards
+    0..num_shards-1), in shard order, cut to ``max_len``."""
+    rows = [r for i in range(num_shards or teacher.num_shards(data_dir)) for r in _shard_rows(data_dir, i, max_len)]
     if not rows:
         raise Refused(f"no teacher shards in {data_dir}: run the 'teach' stage first")
     return rows
@@ -345,10 +361,11 @@ def train(settings: HeadSettings, target_dir: Path, data_dir: Path, ckpt_dir: Pa
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / CHECKPOINT
-    rows = training_rows(data_dir, settings.max_len)
+    num_shards = training_shards(data_dir, settings.shards)
+    rows = training_rows(data_dir, settings.max_len, num_shards)
     stored = store_features(target_dir, data_dir, settings.aux_ids, settings.max_len, progress, device,
-                            settings.features_dtype)
-    row_features, feature_seconds = stored_features(stored, teacher.num_shards(data_dir))
+                            settings.features_dtype, num_shards)
+    row_features, feature_seconds = stored_features(stored, num_shards)
     if [len(r["ids"]) for r in rows] != [len(aux) for aux, _ in row_features]:
         raise Refused(f"the stored features in {stored} do not match the teacher rows in {data_dir}; "
                       "delete that folder to compute them again")

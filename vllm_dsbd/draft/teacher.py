@@ -197,8 +197,9 @@ def sample_rows(llm, prompt_ids: list[list[int]], seeds: list[int], *, max_new_t
 
 
 def generate_shards(target_dir: Path, data_dir: Path, *, tokens: int, seed: int, cfg: TeacherConfig,
-                    progress=None) -> int:
-    """Write shards 0, 1, ... into ``data_dir`` until they hold ``tokens`` answer tokens.
+                    progress=None, shards: int | None = None) -> int:
+    """Write shards 0, 1, ... into ``data_dir`` until they hold ``tokens`` answer tokens (``shards``: until
+    shards 0..shards-1 exist, whatever their tokens).
 
     Existing shards are kept (generation resumes); returns the number of shards.
     ``progress`` (a tqdm bar) counts answer tokens.
@@ -209,7 +210,7 @@ def generate_shards(target_dir: Path, data_dir: Path, *, tokens: int, seed: int,
     data_dir.mkdir(parents=True, exist_ok=True)
     tok, llm, total, i = None, None, 0, 0
     try:
-        while total < tokens:
+        while (total < tokens) if shards is None else (i < shards):
             final = shard_path(data_dir, i)
             if not final.exists():
                 if llm is None:

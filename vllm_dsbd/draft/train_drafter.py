@@ -22,6 +22,13 @@ def _layers(text: str) -> int:
     return int(text)
 
 
+def _shards(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: an integer >= 0 (teacher shards; 0: every "
+                                         "shard written)")
+    return int(text)
+
+
 def _temperature(text: str) -> float:
     try:
         value = float(text)
@@ -77,6 +84,7 @@ def checkpoint_name(args: argparse.Namespace, target_layers: int) -> str:
             + aux_tag(args.aux_layers, target_layers) + ("-fcnorm" if args.fc_norm else "")
             + data_tag(args.teacher_temperature) + ("-teachbf16" if target_dtype(args, "teacher") == "bfloat16" else "")
             + ("-featbf16" if target_dtype(args, "features") == "bfloat16" else "")
+            + (f"-shards{args.shards}" if args.shards else "")
             + (f"-from-{Path(args.from_pretrained).resolve().name}" if args.from_pretrained else ""))
 
 
@@ -94,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", choices=("all", "teach", "train", "export"), default="all")
     p.add_argument("--tokens", type=int, default=500_000, help="answer tokens to train on")
     p.add_argument("--teach-tokens", type=int, default=None, help="answer tokens to generate (default: --tokens)")
+    p.add_argument("--shards", type=_shards, default=0,
+                   help="teacher shards 0..N-1 (512 answers each): 'teach' writes them, whatever --teach-tokens, "
+                        "and 'train' reads only them (default 0: 'train' reads every shard written; own checkpoint)")
     p.add_argument("--teacher-temperature", type=_temperature, default=1.0,
                    help="temperature of the target's training answers (0: its greedy answers; own folder per value)")
     p.add_argument("--draft-vocab-size", type=int, default=8192)
@@ -148,14 +159,16 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr, batch_tokens=args.batch_tokens, tokens=args.tokens, seed=args.seed, num_layers=args.head_layers,
         teacher_temperature=args.teacher_temperature, fc_norm=args.fc_norm,
         teacher_dtype=teach_dtype, features_dtype=target_dtype(args, "features"),
-        from_pretrained=str(Path(args.from_pretrained).resolve()) if args.from_pretrained else "")
+        from_pretrained=str(Path(args.from_pretrained).resolve()) if args.from_pretrained else "",
+        shards=args.shards)
     ckpt = work / checkpoint_name(args, layers)
     if args.stage in ("all", "teach"):
-        with tqdm(total=args.teach_tokens or args.tokens, desc="teacher", unit="tok", unit_scale=True) as bar:
+        with tqdm(total=None if args.shards else args.teach_tokens or args.tokens, desc="teacher", unit="tok",
+                  unit_scale=True) as bar:
             n = teacher.generate_shards(target, data, tokens=args.teach_tokens or args.tokens, seed=args.seed,
                                         cfg=teacher.TeacherConfig(top_k=0, temperature=args.teacher_temperature,
                                                                   dtype=teach_dtype),
-                                        progress=bar)
+                                        progress=bar, shards=args.shards or None)
         print(f"teacher data: {n} shards in {data}")
     if args.stage in ("all", "train"):
         state = eagle3_head.train(settings, target, data, ckpt, stop_after=args.stop_after, device=device)
