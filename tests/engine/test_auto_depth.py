@@ -81,6 +81,21 @@ def test_auto_depth_groups_admitted_together_look_ahead_as_one_batch(inproc_spec
     assert batches[:4] == [Batch(streams=4)] * 4, batches
 
 
+def test_auto_depth_counts_the_others_next_tokens_not_the_prompts_they_just_computed(inproc_spec_llm):
+    """Four groups whose prompts were computed in one step: the choices after it count each other group's
+    beams (and forest), not its prompt, as the other tokens of the next target step. (Each used to count
+    the others' prompts: under load the next step looked a few times dearer than it is and a forest nearly
+    free, so every new group drafted.)"""
+    batches = []
+    recording_policy(inproc_spec_llm, 0.2, 1.0, batches)
+    prompt_len, width = 64, 2
+    prompts = [{"prompt_token_ids": list(range(3000 + 100 * i, 3000 + 100 * i + prompt_len))} for i in range(4)]
+    inproc_spec_llm.generate(prompts, _auto_request(width, 4, ignore_eos=True), use_tqdm=False)
+    seen = [b.other_tokens for b in batches if b.streams == 4]
+    assert len(seen) >= 8, batches
+    assert max(seen) <= 3 * width * 4, batches  # three other groups' forests at most (γ <= 3), no prompt
+
+
 def test_auto_depth_groups_that_do_not_fit_with_their_depth_are_admitted_for_shallower_iterations(
         inproc_spec_llm, tiny_eos_llm):
     """The engine allows γ <= 3, and a group that may draft 3 layers holds W (γ + 3) request slots at most:

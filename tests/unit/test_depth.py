@@ -50,6 +50,27 @@ def test_no_measured_draft_means_one_layer_to_measure_it_and_no_depth_allowed_me
     assert policy.choose(KEY, "g", max_depth=0, width=4, draft_lag=8) == 0
 
 
+def test_one_group_at_a_time_drafts_to_measure_the_costs_until_a_step_is_timed():
+    """Under load every new group would otherwise draft one layer to measure the same costs: the first does,
+    the others take depth 0 until a step has been timed; a look-ahead (no probing) still says one layer and
+    does not hold the others back."""
+    policy = DepthPolicy()
+    batch = Batch(streams=16, other_tokens=60)
+    assert policy.choose(KEY, "g0", max_depth=2, width=4, draft_lag=60, probe=False, batch=batch) == 1
+    choices = [policy.choose(KEY, f"g{i}", max_depth=2, width=4, draft_lag=60, batch=batch, in_step=True)
+               for i in range(16)]
+    assert choices == [1] + [0] * 15
+    policy.observe_step(False, 64, 0.3)  # a step ran: the target is timed, the drafting not yet
+    assert [policy.choose(KEY, f"g{i}", max_depth=2, width=4, draft_lag=4, batch=batch, in_step=True)
+            for i in range(3)] == [1, 0, 0]
+    policy.observe_in_step(64, 0.05)  # the drafting was timed too: the model chooses from here on
+    policy.observe_step(False, 128, 0.5)
+    policy.observe_step(False, 64, 0.3)
+    model = policy.choose(KEY, "g1", max_depth=2, width=4, draft_lag=4, batch=batch, in_step=True, probe=False)
+    assert [policy.choose(KEY, f"g{i}", max_depth=2, width=4, draft_lag=4, batch=batch, in_step=True)
+            for i in range(16)] == [model] * 16
+
+
 def test_a_draft_that_always_passes_gets_depth_and_a_useless_one_none():
     """draft = target (every layer passes) on a cheap draft: speculate deep; a draft whose layers
     never pass: plain beam steps."""

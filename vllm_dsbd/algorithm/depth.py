@@ -61,7 +61,10 @@ Exploration: a γ never tried tells nothing about itself. Until the draft's
 cost has been measured (its draft steps, or for in-step drafting its own
 timings: an ``auto_depth`` request whose prompt fits ``MAX_CHAIN`` drafts
 in-step from its first iteration and may never run a draft step) the policy
-drafts one layer. A group's α is an
+drafts one layer, for one group at a time: the others choose depth 0 until
+a step has been timed (under load every new group drafting to measure the
+same cost would cost a whole batch a draft catching up on its prompt and a
+forest to verify). A group's α is an
 estimate from a few iterations, and while it chooses γ = 0 it learns nothing
 more: a few unlucky layers would keep a good draft idle. So γ = 0 is chosen
 only if γ = 1 would not pay even with α ``hope`` standard deviations higher
@@ -215,15 +218,18 @@ class DepthPolicy:
     _zero_choices: dict[object, float] = field(default_factory=dict)  # in steps: 1 / G per choice
     _zero_seconds: dict[object, float] = field(default_factory=dict)
     _intervals: dict[object, int] = field(default_factory=dict)
+    _measuring: bool = False  # a group drafts to measure the costs; the others wait for a timed step
 
     def observe_step(self, is_draft: bool, num_tokens: int, seconds: float) -> None:
         (self.draft if is_draft else self.target).observe(num_tokens, seconds)
+        self._measuring = False
 
     def observe_in_step(self, num_rows: int, seconds: float) -> None:
         """A group's draft layers drawn inside a verify (or beam) step took ``seconds`` for ``num_rows`` head
         rows: the tokens its head KV caught up on, then W per layer (not counted in that step's
         :meth:`observe_step`)."""
         self.in_step.observe(num_rows, seconds)
+        self._measuring = False
 
     def observe_decision(self, width: int, num_nodes: int, seconds: float) -> None:
         """The runner took ``seconds`` deciding a group's iteration over ``width`` beams: its verification of
@@ -264,6 +270,9 @@ class DepthPolicy:
         # (a group of short prompts drafting in-step may never run a draft step), else the draft steps'
         in_step_cost = self.in_step if in_step else None
         if not (measured(in_step_cost) or measured(self.draft)) or not measured(self.target):
+            if probe and self._measuring:
+                return 0  # another group's iteration measures them
+            self._measuring = probe
             return 1  # measure the draft before judging it
         alpha = self.alpha(key, group_id)
         others = batch.streams - 1  # they gain a token per iteration whatever this group does

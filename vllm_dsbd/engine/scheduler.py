@@ -207,15 +207,18 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
         (one request's causal block, where a decoding step runs many short queries each reading its whole
         KV), so one prefill of a few hundred tokens would flatten the fitted cost per token, and the policy
         would take a forest's tokens for nearly free."""
-        for rid, num in out.num_scheduled_tokens.items():
-            request = self.requests.get(rid)
-            if request is None:
-                continue
-            group = self.groups.get(self._beam_group.get(rid))
-            prompt_len = group.prompt_len if group is not None else request.num_prompt_tokens
-            if request.num_computed_tokens - num < prompt_len:  # vLLM advanced it by the step's tokens
-                return "prompt"
-        return "target"
+        return "prompt" if any(self._computes_prompt(rid, n) for rid, n in out.num_scheduled_tokens.items()) \
+            else "target"
+
+    def _computes_prompt(self, request_id: str, num_tokens: int) -> bool:
+        """Whether a request's ``num_tokens`` in the step just scheduled include prompt tokens (a user's, or its
+        group's)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        group = self.groups.get(self._beam_group.get(request_id))
+        prompt_len = group.prompt_len if group is not None else request.num_prompt_tokens
+        return request.num_computed_tokens - num_tokens < prompt_len  # vLLM advanced it by the step's tokens
 
     def _schedule_draft(self, drafting: list[BeamGroup], *args, **kwargs) -> SchedulerOutput:
         """A draft step: only the drafting groups' parent nodes run (the draft model), nothing is admitted."""
@@ -268,8 +271,11 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
                     request.num_in_flight_tokens -= scheduled[rid]
         group_outputs: dict[int, list[EngineCoreOutput]] = {}
         plan: StepPlan | None = getattr(scheduler_output, PLAN_ATTR, None)
-        if plan is not None and not plan.draft:  # the target step's tokens per request, for auto_depth
-            self._step_tokens, self._batch_view = scheduled, None
+        if plan is not None and not plan.draft:  # the target step's tokens per request, for auto_depth: a
+            # request that computed its prompt counts the one token it decodes next (the prompt is not computed
+            # again; under load the others' prompts made every forest look nearly free)
+            self._step_tokens = {rid: 1 if self._computes_prompt(rid, n) else n for rid, n in scheduled.items()}
+            self._batch_view = None
         if plan is not None:
             self._commit_steps(plan, getattr(model_runner_output, RESULT_ATTR, None), group_outputs)
         # The base class makes this step's stats last: after the commits, so KV usage is current.
