@@ -91,6 +91,7 @@ def test_build_head_runs_the_recipes_chain_each_from_the_last_and_skips_what_is_
     monkeypatch.setattr(train_drafter, "run", lambda args: runs.append(args) or pytest.fail("built already"))
     assert cli.main(command) == 0 and runs == []
     assert capsys.readouterr().out.count("built already") == 2
+    assert cli.main([*command, "--threads", "1"]) == 0 and runs == []  # threads do not shape a head
 
     monkeypatch.undo()
     monkeypatch.setattr("vllm_dsbd.pairs.pair_paths", lambda pair=None, cache_dir=None: tiny_as_default)

@@ -74,6 +74,7 @@ def step_folder(recipe: Recipe, index: int, work: Path) -> Path:
 
 
 def is_built(head: Path, argv: list[str]) -> bool:
+    """Whether run ``head`` was exported with the flags ``argv`` (those that shape it: no --threads)."""
     return (head / "training.json").exists() and (head / STEP_RECORD).exists() \
         and json.loads((head / STEP_RECORD).read_text())["train_drafter"] == argv
 
@@ -127,13 +128,14 @@ def run(args: argparse.Namespace, parse_args: Callable[[list[str]], argparse.Nam
         print(f"build-head {recipe.pair}: {len(recipe.steps)} train-drafter runs; measured: {recipe.measured}")
     for i in range(len(recipe.steps)):
         head = step_folder(recipe, i, work)
-        argv = step_argv(recipe, i, head, work, previous, runtime)
-        if is_built(head, argv):
+        shaping = step_argv(recipe, i, head, work, previous, ())
+        if is_built(head, shaping):
             print(f"run {i + 1}/{len(recipe.steps)}: built already, {head}")
         else:
+            argv = [*shaping, *runtime]
             print(f"run {i + 1}/{len(recipe.steps)}: vllm-dsbd train-drafter {' '.join(argv)}", flush=True)
             train_drafter.run(parse_args(["train-drafter", *argv]))
-            (head / STEP_RECORD).write_text(json.dumps({"train_drafter": argv}, indent=1) + "\n")
+            (head / STEP_RECORD).write_text(json.dumps({"train_drafter": shaping}, indent=1) + "\n")
         previous = head
     out = Path(args.out)
     if out.resolve() != previous.resolve():
