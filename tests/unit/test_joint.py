@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from exact_dist import restrict  # tests/unit/exact_dist.py: the reference enumeration
 
 from vllm_dsbd.algorithm import (
     beam_search_score,
@@ -79,6 +80,26 @@ def test_restriction_is_per_group():
     joint = torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]]).log()
     out = restrict_joint(joint, torch.tensor([1, 0]), torch.tensor([1.0, 1.0])).exp()
     torch.testing.assert_close(out, torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.3, 0.2]]))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(num=st.integers(1, 300), levels=st.integers(1, 6), dead=st.floats(0.0, 0.9), seed=st.integers(0, 2**31 - 1),
+       top_k=st.lists(st.integers(-1, 40), min_size=3, max_size=3),
+       top_p=st.lists(st.sampled_from([1.0, 0.31415926535, 0.57721566490, 0.91893853320]), min_size=3, max_size=3))
+def test_restriction_keeps_what_a_stable_sort_of_the_whole_row_keeps(num, levels, dead, seed, top_k, top_p):
+    """Top-k, then top-p, as the reference enumeration does it (ties: lower index first), on rows full of ties
+    and -inf entries, whether the rows' top-k shortlists are sorted (k at most 1/8 of the row) or whole rows are,
+    rows with top-k, top-p, both or neither mixed in one batch. (top-p values no sum of these probabilities hits
+    exactly, where float rounding may decide either way.)"""
+    gen = torch.Generator().manual_seed(seed)
+    joint = torch.randint(0, levels, (3, num), generator=gen).float() * -0.7  # few distinct values: ties
+    joint[torch.rand((3, num), generator=gen) < dead] = float("-inf")
+    joint[:, torch.randint(num, (1,), generator=gen)] = 0.0  # every row has mass
+    joint = joint - torch.logsumexp(joint, -1, keepdim=True)
+    out = restrict_joint(joint, torch.tensor(top_k), torch.tensor(top_p)).exp().double()
+    for row, k, p, got in zip(joint, top_k, top_p, out, strict=True):
+        want = restrict(row.double().exp().tolist(), k, p)
+        torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), atol=1e-6, rtol=0)
 
 
 def test_inverse_cdf_hits_each_index_in_proportion():

@@ -77,27 +77,79 @@ def restrict_joint(joint: Tensor, top_k: Tensor | None = None, top_p: Tensor | N
     joint: [G, N] normalised log-probs.
     top_k: [G] int (``<= 0``: off) or None. top_p: [G] float (``>= 1``: off) or None.
     Returns [G, N] float32 log-probs, renormalised, ``-inf`` outside the kept set.
+
+    When every restricted row has a top-k that is a small part of the row, only each row's top-k
+    entries and their ties are sorted (:func:`_restrict_in_shortlist`); otherwise the whole row is. Both keep
+    the same pairs: the first of a stable descending sort (ties: lower flat index first).
     """
     use_k = top_k is not None and bool((top_k > 0).any())
     use_p = top_p is not None and bool((top_p < 1).any())
     if not (use_k or use_p):
         return joint
     num = joint.shape[-1]
-    sorted_logp, order = torch.sort(joint, dim=-1, descending=True, stable=True)
-    keep = torch.ones_like(sorted_logp, dtype=torch.bool)
+    k = torch.full((joint.shape[0],), num, dtype=torch.long, device=joint.device)
     if use_k:
-        k = torch.where(top_k > 0, top_k, num)
-        keep &= torch.arange(num, device=joint.device)[None, :] < k[:, None]
-    if use_p:
+        k = torch.where(top_k > 0, top_k.long(), k).clamp(max=num)
+    p = top_p.double() if use_p else None
+    restricted = (k < num) if p is None else (k < num) | (p < 1)
+    longest = int(torch.where(restricted, k, 1).max())
+    if longest * SHORTLIST_SHARE <= num:
+        return _restrict_in_shortlist(joint, torch.where(restricted, k, 1), p, longest, restricted)
+    return _renormalised(joint.masked_fill(~_keep_in_sorted_row(joint, k, p), float("-inf")))
+
+
+def _renormalised(logp: Tensor) -> Tensor:
+    """``logp`` minus each row's logsumexp (rows with no finite entry stay ``-inf``)."""
+    norm = torch.logsumexp(logp, dim=-1, keepdim=True)
+    return logp - torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
+
+
+SHORTLIST_SHARE = 8
+"""Top-k takes the shortlist path when every restricted row keeps at most 1/8 of its entries."""
+
+
+def _keep_by_rank(sorted_logp: Tensor, k: Tensor, p: Tensor | None) -> Tensor:
+    """[G, M] bool: which of each row's entries, in descending order, top-k then top-p keep."""
+    keep = torch.arange(sorted_logp.shape[-1], device=sorted_logp.device)[None, :] < k[:, None]
+    if p is not None:
         probs = sorted_logp.double().exp() * keep
         probs = probs / probs.sum(-1, keepdim=True)
         mass_before = probs.cumsum(-1) - probs
-        keep &= mass_before < top_p[:, None].double()
-    keep_flat = torch.zeros_like(keep).scatter(-1, order, keep)
-    kept = joint.masked_fill(~keep_flat, float("-inf"))
-    norm = torch.logsumexp(kept, dim=-1, keepdim=True)
-    norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
-    return kept - norm
+        keep &= mass_before < p[:, None]
+    return keep
+
+
+def _keep_in_sorted_row(joint: Tensor, k: Tensor, p: Tensor | None) -> Tensor:
+    """[G, N] bool kept mask from a stable descending sort of every whole row."""
+    sorted_logp, order = torch.sort(joint, dim=-1, descending=True, stable=True)
+    return torch.zeros_like(sorted_logp, dtype=torch.bool).scatter(-1, order, _keep_by_rank(sorted_logp, k, p))
+
+
+def _restrict_in_shortlist(joint: Tensor, k: Tensor, p: Tensor | None, longest: int, restricted: Tensor) -> Tensor:
+    """:func:`restrict_joint` sorting only each restricted row's shortlist: its finite entries at least its k-th
+    largest value (its top k and every entry tied with the k-th), gathered in index order, so that a stable
+    sort of the shortlist orders ties as a sort of the whole row does. -inf entries weigh nothing and are
+    never listed. Rows not ``restricted`` are only renormalised."""
+    threshold = torch.topk(joint, longest, dim=-1).values.gather(-1, (k - 1)[:, None])
+    listed = joint >= threshold.clamp(min=torch.finfo(joint.dtype).min)
+    listed[~restricted] = False
+    rows, cols = listed.nonzero(as_tuple=True)  # row-major: each row's entries in index order
+    counts = torch.bincount(rows, minlength=joint.shape[0])
+    slot = torch.arange(rows.numel(), device=joint.device) - (counts.cumsum(0) - counts)[rows]
+    width = max(int(counts.max()), 1)
+    short = joint.new_full((joint.shape[0], width), float("-inf"))
+    short[rows, slot] = joint[rows, cols]
+    index = torch.zeros_like(short, dtype=torch.long)
+    index[rows, slot] = cols
+    sorted_logp, order = torch.sort(short, dim=-1, descending=True, stable=True)
+    keep = _keep_by_rank(sorted_logp, k, p) & torch.isfinite(sorted_logp)
+    kept = _renormalised(sorted_logp.masked_fill(~keep, float("-inf")))
+    out = torch.full_like(joint, float("-inf"))
+    kept_rows, kept_ranks = keep.nonzero(as_tuple=True)
+    out[kept_rows, index[kept_rows, order[kept_rows, kept_ranks]]] = kept[kept_rows, kept_ranks]
+    if not bool(restricted.all()):
+        out[~restricted] = _renormalised(joint[~restricted])
+    return out
 
 
 def joint_probs(
