@@ -79,21 +79,3 @@ def test_a_request_cannot_change_the_draft_dtype(bf16_draft_llm):
     params = SamplingParams(n=2, max_tokens=4, extra_args={"beam_width": 2, "draft_dtype": "float32"})
     with pytest.raises(ValueError, match=r"\['draft_dtype'\] are engine-wide"):
         bf16_draft_llm.generate([PROMPTS[0]], params, use_tqdm=False)
-
-
-def test_the_demo_says_which_dtype_it_picked_and_why(tiny_pair):
-    """``vllm-dsbd demo`` (default ``--dtype auto``) prints the machine's dtype with its reason and runs in it."""
-    import os
-    import subprocess
-    import sys
-
-    from vllm_dsbd.dtypes import machine_dtype
-
-    choice = machine_dtype()
-    out = subprocess.run([sys.executable, "-m", "vllm_dsbd.cli", "demo", "--model", str(tiny_pair.target),
-                          "--no-draft", "--beam-width", "2", "--max-tokens", "2"],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"dtype: {choice.dtype} ({choice.reason})" in out.stdout
-    assert f"(model {tiny_pair.target}, {choice.dtype})" in out.stdout
-    assert f"2 tokens each, {choice.dtype};" in out.stdout

@@ -13,7 +13,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.model]
 
 
 def test_the_demo_runs_dsbd_with_the_shipped_head_and_checks_its_outputs(engine_pool, target_path):
+    """... and, with its default ``--dtype auto``, prints the machine's dtype with its reason and runs in it."""
     from vllm_dsbd import models
+    from vllm_dsbd.dtypes import machine_dtype
 
     engine_pool.clear()  # the demo starts two engines of its own, one after the other
 
@@ -26,3 +28,7 @@ def test_the_demo_runs_dsbd_with_the_shipped_head_and_checks_its_outputs(engine_
     assert "x the speed of in-engine beam search, the same outputs." in out.stdout, out.stdout[-2000:]
     assert "x the speed of in-engine beam sampling" in out.stdout
     assert "Each row ran once untimed first" in out.stdout
+    choice = machine_dtype()
+    assert f"dtype: {choice.dtype} ({choice.reason})" in out.stdout
+    assert f"(model {target_path}, {choice.dtype})" in out.stdout
+    assert f"6 tokens each, {choice.dtype};" in out.stdout
