@@ -82,23 +82,50 @@ def test_restriction_is_per_group():
     torch.testing.assert_close(out, torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.3, 0.2]]))
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
-@given(num=st.integers(1, 300), levels=st.integers(1, 6), dead=st.floats(0.0, 0.9), seed=st.integers(0, 2**31 - 1),
-       top_k=st.lists(st.integers(-1, 40), min_size=3, max_size=3),
-       top_p=st.lists(st.sampled_from([1.0, 0.31415926535, 0.57721566490, 0.91893853320]), min_size=3, max_size=3))
-def test_restriction_keeps_what_a_stable_sort_of_the_whole_row_keeps(num, levels, dead, seed, top_k, top_p):
-    """Top-k, then top-p, as the reference enumeration does it (ties: lower index first), on rows full of ties
-    and -inf entries, whether the rows' top-k shortlists are sorted (k at most 1/8 of the row) or whole rows are,
-    rows with top-k, top-p, both or neither mixed in one batch. (top-p values no sum of these probabilities hits
-    exactly, where float rounding may decide either way.)"""
+def _tied_rows(num: int, levels: int, dead: float, hot: int, seed: int, heat: float = 9.0) -> torch.Tensor:
+    """[3, num] normalised log-probs with few distinct values (ties), ``dead`` of them -inf and ``hot`` entries
+    of each row ``heat`` above the rest (mass concentrated where top-p alone can stop early)."""
     gen = torch.Generator().manual_seed(seed)
-    joint = torch.randint(0, levels, (3, num), generator=gen).float() * -0.7  # few distinct values: ties
+    joint = torch.randint(0, levels, (3, num), generator=gen).float() * -0.7
     joint[torch.rand((3, num), generator=gen) < dead] = float("-inf")
     joint[:, torch.randint(num, (1,), generator=gen)] = 0.0  # every row has mass
-    joint = joint - torch.logsumexp(joint, -1, keepdim=True)
+    joint[:, torch.randint(num, (hot,), generator=gen)] = heat
+    return joint - torch.logsumexp(joint, -1, keepdim=True)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(num=st.integers(1, 1500), levels=st.integers(1, 6), dead=st.floats(0.0, 0.9), hot=st.integers(0, 8),
+       heat=st.sampled_from([3.0, 4.0, 5.0, 9.0]),
+       seed=st.integers(0, 2**31 - 1), top_k=st.lists(st.integers(-1, 40), min_size=3, max_size=3),
+       top_p=st.lists(st.sampled_from([1.0, 0.31415926535, 0.57721566490, 0.91893853320]), min_size=3, max_size=3))
+def test_restriction_keeps_what_a_stable_sort_of_the_whole_row_keeps(num, levels, dead, hot, heat, seed, top_k,
+                                                                     top_p):
+    """Top-k, then top-p, as the reference enumeration does it (ties: lower index first), on rows full of ties
+    and -inf entries, whether only the rows' shortlists are sorted (their top-k, or the top entries holding
+    top-p of the mass, at most 1/8 of the row) or whole rows are, rows with top-k, top-p, both or neither
+    mixed in one batch. (top-p values no sum of these probabilities hits exactly, where float rounding may
+    decide either way.)"""
+    joint = _tied_rows(num, levels, dead, hot, seed, heat)
     out = restrict_joint(joint, torch.tensor(top_k), torch.tensor(top_p)).exp().double()
     for row, k, p, got in zip(joint, top_k, top_p, out, strict=True):
         want = restrict(row.double().exp().tolist(), k, p)
+        torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (0, 0.91893853320), (40, 0.57721566490)])
+def test_a_restriction_that_fits_a_shortlist_never_sorts_whole_rows(monkeypatch, top_k, top_p):
+    """Top-k of a few entries, or top-p held by a few hot entries of 4,096: no whole row is sorted (a whole-row
+    sort of W x V pairs was most of a sampled beam step) and the result is the reference enumeration's."""
+    from vllm_dsbd.algorithm import joint as joint_module
+
+    def whole_row_sort(*args):
+        raise AssertionError("sorted whole rows")
+
+    monkeypatch.setattr(joint_module, "_keep_in_sorted_row", whole_row_sort)
+    rows = _tied_rows(4096, 6, 0.2, 8, seed=3)
+    out = restrict_joint(rows, torch.full((3,), top_k), torch.full((3,), top_p)).exp().double()
+    for row, got in zip(rows, out, strict=True):
+        want = restrict(row.double().exp().tolist(), top_k, top_p)
         torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), atol=1e-6, rtol=0)
 
 

@@ -78,9 +78,9 @@ def restrict_joint(joint: Tensor, top_k: Tensor | None = None, top_p: Tensor | N
     top_k: [G] int (``<= 0``: off) or None. top_p: [G] float (``>= 1``: off) or None.
     Returns [G, N] float32 log-probs, renormalised, ``-inf`` outside the kept set.
 
-    When every restricted row has a top-k that is a small part of the row, only each row's top-k
-    entries and their ties are sorted (:func:`_restrict_in_shortlist`); otherwise the whole row is. Both keep
-    the same pairs: the first of a stable descending sort (ties: lower flat index first).
+    When what a row may keep lies in a small part of it (top-k, or the top entries holding top-p of its mass),
+    only that shortlist and its ties are sorted (:func:`_restrict_in_shortlist`); otherwise whole rows are.
+    Both keep the same pairs: the first of a stable descending sort (ties: lower flat index first).
     """
     use_k = top_k is not None and bool((top_k > 0).any())
     use_p = top_p is not None and bool((top_p < 1).any())
@@ -92,10 +92,10 @@ def restrict_joint(joint: Tensor, top_k: Tensor | None = None, top_p: Tensor | N
         k = torch.where(top_k > 0, top_k.long(), k).clamp(max=num)
     p = top_p.double() if use_p else None
     restricted = (k < num) if p is None else (k < num) | (p < 1)
-    longest = int(torch.where(restricted, k, 1).max())
-    if longest * SHORTLIST_SHARE <= num:
-        return _restrict_in_shortlist(joint, torch.where(restricted, k, 1), p, longest, restricted)
-    return _renormalised(joint.masked_fill(~_keep_in_sorted_row(joint, k, p), float("-inf")))
+    shortlist = _shortlist_lengths(joint, k, p, restricted)
+    if shortlist is None:
+        return _renormalised(joint.masked_fill(~_keep_in_sorted_row(joint, k, p), float("-inf")))
+    return _restrict_in_shortlist(joint, k, p, restricted, *shortlist)
 
 
 def _renormalised(logp: Tensor) -> Tensor:
@@ -105,15 +105,48 @@ def _renormalised(logp: Tensor) -> Tensor:
 
 
 SHORTLIST_SHARE = 8
-"""Top-k takes the shortlist path when every restricted row keeps at most 1/8 of its entries."""
+"""Rows are restricted by a sort of their shortlists when every shortlist is at most 1/8 of its row."""
+TOP_P_SHORTLISTS = (64, 1024)
+"""Shortlist lengths tried for rows with top-p and no top-k, shortest first; rows whose top-p needs more are
+sorted whole (each try is a top-k pass over the rows: cheap below about 1,000 entries)."""
 
 
-def _keep_by_rank(sorted_logp: Tensor, k: Tensor, p: Tensor | None) -> Tensor:
-    """[G, M] bool: which of each row's entries, in descending order, top-k then top-p keep."""
+def _shortlist_lengths(joint: Tensor, k: Tensor, p: Tensor | None,
+                       restricted: Tensor) -> tuple[Tensor, Tensor | None] | None:
+    """How many of each row's top entries hold all that top-k then top-p may keep: its top-k where top-k is on;
+    for top-p alone, top entries holding more than top-p of the row's mass. Returns (lengths [G], the row's
+    mass where top-p is alone, else NaN [G] float64, or None if no row has top-p alone), or None when some
+    shortlist would be longer than 1/``SHORTLIST_SHARE`` of its row."""
+    num = joint.shape[-1]
+    length = torch.where(restricted, k, 1)
+    alone = restricted & (k >= num)  # top-p without top-k: top-p is a share of the whole row's mass
+    whole = None
+    if bool(alone.any()):
+        rows = joint[alone]
+        mass = rows.exp().sum(-1, dtype=torch.float64)
+        want = mass * (p[alone] + 1e-6)  # a margin over float rounding: a longer shortlist is still exact
+        tries = [n for n in TOP_P_SHORTLISTS if n * SHORTLIST_SHARE <= num]
+        holds = (n for n in tries if bool((torch.topk(rows, n, dim=-1).values.double().exp().sum(-1) >= want).all()))
+        longest = next(holds, None)
+        if longest is None:
+            return None
+        length[alone] = longest
+        whole = torch.full_like(p, float("nan")).masked_scatter(alone, mass)
+    if int(length.max()) * SHORTLIST_SHARE > num:
+        return None
+    return length, whole
+
+
+def _keep_by_rank(sorted_logp: Tensor, k: Tensor, p: Tensor | None, whole: Tensor | None = None) -> Tensor:
+    """[G, M] bool: which of each row's entries, in descending order, top-k then top-p keep. Top-p is a share
+    of the mass top-k keeps, or of ``whole`` (a row's mass; NaN: that row's kept mass) where it is given."""
     keep = torch.arange(sorted_logp.shape[-1], device=sorted_logp.device)[None, :] < k[:, None]
     if p is not None:
         probs = sorted_logp.double().exp() * keep
-        probs = probs / probs.sum(-1, keepdim=True)
+        total = probs.sum(-1)
+        if whole is not None:
+            total = torch.where(torch.isnan(whole), total, whole)
+        probs = probs / total[:, None]
         mass_before = probs.cumsum(-1) - probs
         keep &= mass_before < p[:, None]
     return keep
@@ -125,12 +158,13 @@ def _keep_in_sorted_row(joint: Tensor, k: Tensor, p: Tensor | None) -> Tensor:
     return torch.zeros_like(sorted_logp, dtype=torch.bool).scatter(-1, order, _keep_by_rank(sorted_logp, k, p))
 
 
-def _restrict_in_shortlist(joint: Tensor, k: Tensor, p: Tensor | None, longest: int, restricted: Tensor) -> Tensor:
-    """:func:`restrict_joint` sorting only each restricted row's shortlist: its finite entries at least its k-th
-    largest value (its top k and every entry tied with the k-th), gathered in index order, so that a stable
-    sort of the shortlist orders ties as a sort of the whole row does. -inf entries weigh nothing and are
-    never listed. Rows not ``restricted`` are only renormalised."""
-    threshold = torch.topk(joint, longest, dim=-1).values.gather(-1, (k - 1)[:, None])
+def _restrict_in_shortlist(joint: Tensor, k: Tensor, p: Tensor | None, restricted: Tensor, length: Tensor,
+                           whole: Tensor | None) -> Tensor:
+    """:func:`restrict_joint` sorting only each restricted row's shortlist: its finite entries at least its
+    ``length``-th largest value (its top ``length`` and every entry tied with the last), gathered in index order,
+    so that a stable sort of the shortlist orders ties as a sort of the whole row does. -inf entries weigh
+    nothing and are never listed. Rows not ``restricted`` are only renormalised."""
+    threshold = torch.topk(joint, int(length.max()), dim=-1).values.gather(-1, (length - 1)[:, None])
     listed = joint >= threshold.clamp(min=torch.finfo(joint.dtype).min)
     listed[~restricted] = False
     rows, cols = listed.nonzero(as_tuple=True)  # row-major: each row's entries in index order
@@ -142,7 +176,7 @@ def _restrict_in_shortlist(joint: Tensor, k: Tensor, p: Tensor | None, longest: 
     index = torch.zeros_like(short, dtype=torch.long)
     index[rows, slot] = cols
     sorted_logp, order = torch.sort(short, dim=-1, descending=True, stable=True)
-    keep = _keep_by_rank(sorted_logp, k, p) & torch.isfinite(sorted_logp)
+    keep = _keep_by_rank(sorted_logp, k, p, whole) & torch.isfinite(sorted_logp)
     kept = _renormalised(sorted_logp.masked_fill(~keep, float("-inf")))
     out = torch.full_like(joint, float("-inf"))
     kept_rows, kept_ranks = keep.nonzero(as_tuple=True)
