@@ -176,15 +176,24 @@ def main() -> None:
     _plot(rows, result["machine"], args.out_dir / f"{stem}.png")
 
 
-def _plot(rows: list[dict], machine: dict, path: Path) -> None:
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (with a message) where matplotlib is not installed:
+    the torch-only benchmarks run on bare GPU machines."""
     try:
         import matplotlib
     except ImportError:
         print("matplotlib is not installed: skipping the plot (the JSON has every number)")
-        return
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _plot(rows: list[dict], machine: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
     panels = [(scenario, groups) for scenario in SCENARIOS for groups in sorted({r["groups"] for r in rows})]
     widths = sorted({r["beam_width"] for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
