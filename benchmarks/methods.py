@@ -313,15 +313,15 @@ def _hf_beam_sampling(model, s: Settings) -> GenerateFn:
 BACKENDS["vllm-dsbd-beams"] = lambda s: _vllm_engine(
     s, speculative_config={"method": "dsbd", "num_speculative_tokens": 0, "beam_width": s.beam_width},
 )
-BACKENDS["vllm-dsbd"] = lambda s: _vllm_engine(
-    s,
-    speculative_config={
-        "method": "dsbd",
-        "model": s.draft,
-        "num_speculative_tokens": s.num_speculative_tokens,
-        "beam_width": s.beam_width,
-    },
-)
+def _dsbd_engine(s: Settings, **knobs):
+    """A speculative DSBD engine drafting with the run's draft (γ, W), with engine-wide ``knobs``."""
+    return _vllm_engine(s, speculative_config={"method": "dsbd", "model": s.draft, "beam_width": s.beam_width,
+                                               "num_speculative_tokens": s.num_speculative_tokens, **knobs})
+
+
+BACKENDS["vllm-dsbd"] = _dsbd_engine
+# An EAGLE-3 head as the draft only: each later iteration is drafted inside the verify step before it.
+BACKENDS["vllm-dsbd-in-step"] = lambda s: _dsbd_engine(s, draft_in_step=True)
 
 
 def _dsbd(sample: bool, **knobs) -> Callable[[Any, Settings], GenerateFn]:
@@ -382,3 +382,5 @@ MJSD_TAUS = (0.3, 0.5, 0.9)
 for _tau in MJSD_TAUS:
     method(f"mjsd-tau-{_tau}", backend="vllm-dsbd", needs_draft=True,
            description=f"MJSD, one sequence: K = W draft beams, γ, τ = {_tau} (T)")(_mjsd(_tau))
+    method(f"mjsd-in-step-tau-{_tau}", backend="vllm-dsbd-in-step", needs_draft=True,
+           description=f"MJSD, τ = {_tau} (T), an EAGLE-3 head drafting inside the verify step")(_mjsd(_tau))

@@ -375,6 +375,43 @@ def test_an_iteration_of_depth_zero_draws_the_next_forest_in_its_beam_step(inpro
     assert after.get("draft", 0) == before.get("draft", 0), (before, after)
 
 
+def test_mjsd_drafts_inside_the_verify_step(in_step_llm, tiny_eos_llm):
+    """MJSD on an engine that drafts inside the verify step: each later iteration's K draft beams are drawn in
+    the verify step before it, so only a request's first iteration takes draft steps (γ of them; a request
+    that turns the knob off takes γ per iteration). T 0 stays greedy; at T 1 each seeded request gives the
+    tokens it gives drafting in draft steps (the same draws and acceptances, the head's logits on forest
+    rows); no KV leaks after finishing and aborts."""
+    from vllm import SamplingParams
+
+    def mjsd(temperature: float, max_tokens: int = 16, seed: int = 5, ignore_eos: bool = False,
+             **extra) -> SamplingParams:
+        knobs = {"decoder": "mjsd", "beam_width": 4, "num_speculative_tokens": 3, "mjsd_tau": 0.5, **extra}
+        return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                              extra_args=knobs)
+
+    def run(params):
+        before = _steps(in_step_llm)
+        outs = in_step_llm.generate(PROMPTS, params, use_tqdm=False)
+        after = _steps(in_step_llm)
+        return [list(o.outputs[0].token_ids) for o in outs], after.get("draft", 0) - before.get("draft", 0)
+
+    greedy = tiny_eos_llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    got, drafts = run(mjsd(0.0))
+    assert got == [list(o.outputs[0].token_ids) for o in greedy]
+    assert drafts <= 3 * len(PROMPTS), drafts
+    off, drafts_off = run(mjsd(0.0, draft_in_step=False))
+    assert off == got and drafts_off > 3 * len(PROMPTS), drafts_off
+    # T 1: τ so low that the random head's drafts pass now and then, so the kept draft log-probs matter
+    # (storing the layers' joints instead of their per-node log-probs changes these outputs)
+    accepted = engine_metric(in_step_llm, "vllm:spec_decode_num_accepted_tokens")
+    sampled, drafts = run(mjsd(1.0, ignore_eos=True, mjsd_tau=1e-4))
+    assert engine_metric(in_step_llm, "vllm:spec_decode_num_accepted_tokens") > accepted
+    sampled_off, _ = run(mjsd(1.0, ignore_eos=True, mjsd_tau=1e-4, draft_in_step=False))
+    assert sampled == sampled_off and drafts <= 3 * len(PROMPTS), (sampled, sampled_off, drafts)
+    assert_kv_freed_after_finish_and_abort(in_step_llm, mjsd(0.9, 30, seed=1),
+                                           lambda i: mjsd(1.0, 200, seed=i, ignore_eos=True), "abort-mjsd-in-step")
+
+
 def test_drafting_inside_the_verify_step_is_distributed_as_beam_sampling(in_step_llm, tiny_eos_target):
     """As the draft-step test above: 2,000 seeded requests, γ = 2 (the second iteration's forest is drawn
     in the first verify step), against exact enumeration; the planted bug is rejected."""

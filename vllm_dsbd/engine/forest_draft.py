@@ -18,6 +18,10 @@ shallow iteration never sends the group back to draft steps. The head runs on *f
 - each layer's W nodes are drawn by ``spec_step.draft_layer`` with the seed of the next iteration's draft
   step (``step + 1``, the same layer numbers), and the joints go to the runner's ``DraftStore``.
 
+An MJSD group (one beam, K = W draft beams, ``engine.mjsd_step``) is drafted the same way after its
+verification: its root's score is 0 (MJSD scores a draft path by its draft log-probs alone) and the store
+keeps each layer's per-node draft log-probs (``mjsd_step.kept_draft``), as its draft steps do.
+
 The scheduler then sets up the paths of the next forest at once (``BeamGroup.apply_drafted``). A request's
 first iteration drafts in draft steps, which also compute the head KV of its prompt, unless it is an
 ``auto_depth`` request whose prompt fits ``MAX_CHAIN``: its first iteration is a beam step whose chain is the
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_dsbd.algorithm import token_finishes
-from vllm_dsbd.engine import eagle3, forest_attention, spec_step
+from vllm_dsbd.engine import eagle3, forest_attention, mjsd_step, spec_step
 from vllm_dsbd.engine.protocol import (DraftDecision, DraftStep, GroupDecision, GroupDecoding, GroupStep,
                                        VerifyDecision, VerifyStep, first_path_through)
 
@@ -65,6 +69,7 @@ def draft(runner, vs: VerifyStep, decision: VerifyDecision) -> tuple[list[DraftD
         return [], 0
     batch = runner.input_batch
     depth, root_len = decision.num_passed, vs.seq_len  # the roots' last tokens are at root_len - 1
+    mjsd = vs.mjsd_tau is not None
     chains: dict[int, Chain] = {}
     beams = []
     for c in decision.beams:
@@ -73,8 +78,8 @@ def draft(runner, vs: VerifyStep, decision: VerifyDecision) -> tuple[list[DraftD
             index = batch.req_id_to_index[vs.path_req_ids[path]]
             verified = [int(batch.token_ids_cpu[index, root_len - 1])] + vs.path_tokens(path, depth)
             chains[path] = Chain(index, root_len - 1, verified)
-        beams.append((chains[path], c.token, c.score))
-    return _draw(runner, vs, layers, beams)
+        beams.append((chains[path], c.token, 0.0 if mjsd else c.score))  # MJSD scores a draft path by log Q
+    return _draw(runner, vs, layers, beams, mjsd)
 
 
 def draft_after_beam_step(runner, step: GroupStep, decision: GroupDecision) -> tuple[list[DraftDecision], int]:
@@ -96,10 +101,11 @@ def draft_after_beam_step(runner, step: GroupStep, decision: GroupDecision) -> t
     return _draw(runner, step, layers, beams)
 
 
-def _draw(runner, group: GroupDecoding, layers: int,
-          beams: list[tuple[Chain, int, float]]) -> tuple[list[DraftDecision], int]:
+def _draw(runner, group: GroupDecoding, layers: int, beams: list[tuple[Chain, int, float]],
+          mjsd: bool = False) -> tuple[list[DraftDecision], int]:
     """Draft layers 1..``layers`` from new beams (their chain, their last token, their score), as the next
-    iteration's draft steps would draw them; and the head rows computed (every layer's call)."""
+    iteration's draft steps would draw them (``mjsd``: an MJSD group's, which keep each layer's per-node
+    draft log-probs); and the head rows computed (every layer's call)."""
     batch = runner.input_batch
     table = batch.block_table[runner._dsbd_features_gid]
     size = table.block_size
@@ -143,9 +149,11 @@ def _draw(runner, group: GroupDecoding, layers: int,
         num_rows += len(tokens)
         logits, own = _forward(runner, tokens, positions, features, rows, last_rows, order)
         ds = DraftStep(**decoding, layer=layer, req_ids=tuple(str(s) for s in slots), slots=tuple(slots),
-                       scores=tuple(scores), seq_len=first + layer)
+                       scores=tuple(scores), seq_len=first + layer, mjsd=mjsd)
         support = runner._dsbd_support if order is not None else runner._draft_support(logits)
-        chosen, joint = spec_step.draft_layer(logits, {str(s): r for r, s in enumerate(slots)}, ds, support, vocab)
+        row_of = {str(s): r for r, s in enumerate(slots)}
+        chosen, joint = spec_step.draft_layer(logits, row_of, ds, support, vocab)
+        joint = mjsd_step.kept_draft(logits, row_of, ds, joint)
         if joint is not None:
             runner._dsbd_drafts.put(group.group_id, group.step + 1, layer, joint)
         out.append(chosen)

@@ -43,6 +43,13 @@ def node_logprobs(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, join
     return out.reshape(-1)
 
 
+def kept_draft(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, joint: Tensor | None) -> Tensor | None:
+    """What the runner keeps of a draft layer until its verification (``DraftStore``): an MJSD group's
+    :func:`node_logprobs` (its rule compares per-node likelihoods), a DSBD group's ``joint`` (None at T 0).
+    The same in draft steps and in the verify step before them (``engine.forest_draft``)."""
+    return node_logprobs(logits, row_of, ds, joint) if ds.mjsd else joint
+
+
 def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_logprobs: Tensor,
            stops: StopCheckers | None = None) -> VerifyDecision:
     """Verify an MJSD group's draft path.

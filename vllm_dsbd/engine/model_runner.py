@@ -258,8 +258,7 @@ class DSBDModelRunnerMixin:
         if plan.draft:
             for ds in plan.draft_steps:
                 decision, joint = spec_step.draft_layer(logits, last_row, ds, self._draft_support(logits))
-                if ds.mjsd:  # MJSD verifies by the draft's per-node distributions, not the joint
-                    joint = mjsd_step.node_logprobs(logits, last_row, ds, joint)
+                joint = mjsd_step.kept_draft(logits, last_row, ds, joint)
                 if joint is not None:
                     self._dsbd_drafts.put(ds.group_id, ds.step, ds.layer, joint)
                 result.draft_decisions[ds.group_id] = decision
