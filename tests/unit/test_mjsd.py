@@ -108,7 +108,8 @@ def test_bad_params_are_refused():
 
 def _verify_step(tau, eos=None, temperature=1.0):
     """W 2, three draft layers, the path root 0 -> (1, 1) -> (2, 0) -> (3, 1) with tokens 1, 3, 4 (V 5).
-    Per-token log P - log Q along it: -1.0, +0.9, -0.1 (prefix sums -1.0, -0.1, -0.2)."""
+    Per-token log P - log Q along it: -1.0, +0.9, -0.1 (prefix sums -1.0, -0.1, -0.2). The draft as the
+    runner keeps it: at T > 0 each layer's joint (mass on its path node's parent slot only), at T 0 log-probs."""
     from vllm_dsbd.engine.protocol import VerifyStep
 
     def row(token, logprob):  # a distribution with `token` at exp(logprob), the rest spread evenly
@@ -125,6 +126,9 @@ def _verify_step(tau, eos=None, temperature=1.0):
                     draft_parents=((0, 0), (1, 1), (0, 0)), draft_tokens=((2, 1), (3, 0), (0, 4)),
                     draft_exists=((True,) * 2,) * 3, seq_len=4, num_out=2, width_threshold=1.0, min_width=1,
                     num_logprobs=0, mjsd_tau=tau)
+    if temperature > 0:  # the runner keeps each layer's joint: 0.6 of its mass on the path node's parent row
+        on_path = (torch.arange(2) == torch.tensor([0, 1, 0])[:, None])[..., None]
+        draft = torch.where(on_path, 0.6 * draft.exp(), torch.full_like(draft, 0.4 / 5))
     return target, draft.reshape(3, -1), vs
 
 
@@ -211,3 +215,28 @@ def test_mjsd_q_is_the_distribution_the_draft_drew_from_under_top_p():
     finally:
         mp.undo()
     assert sum(l > 0 for l in planted) >= 20  # a path token outside its node's nucleus passed a huge τ
+
+
+def test_node_conditionals_read_at_drawn_nodes_equal_the_whole_table():
+    """What verification reads of a draft layer (``node_conditionals_at``, one row sum per path node) is the
+    whole table's entry bit for bit, drawn nodes finite; a slot without mass reads -inf."""
+    from vllm_dsbd.algorithm.joint import joint_probs, sample_joint
+    from vllm_dsbd.algorithm.mjsd import node_conditionals, node_conditionals_at
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        width, vocab = 1 + trial % 4, 50 + 37 * (trial % 5)
+        scores = torch.randn((1, width), generator=g, dtype=torch.float64)
+        valid = torch.rand((1, width), generator=g) < 0.8
+        valid[0, 0] = True
+        lp = torch.randn((1, width, vocab), generator=g).log_softmax(-1)
+        joint = joint_probs(scores, valid, lp, torch.tensor([trial % 7]), torch.tensor([0.6 + 0.1 * (trial % 5)]))
+        draws = sample_joint(joint, width, g)[0]
+        parents, tokens = draws // vocab, draws % vocab
+        got = node_conditionals_at(joint[0], width, parents, tokens)
+        want = node_conditionals(joint[0], width)[parents, tokens]
+        assert torch.equal(got, want) and bool(torch.isfinite(got).all())
+        empty = (~valid[0]).nonzero()[:, 0]
+        if len(empty):
+            assert bool(torch.isneginf(node_conditionals_at(joint[0], width, empty[:1], tokens[:1])).all())
+

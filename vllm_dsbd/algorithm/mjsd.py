@@ -93,6 +93,16 @@ def node_conditionals(joint: Tensor, width: int) -> Tensor:
     return (rows / torch.where(total > 0, total, torch.ones_like(total))).log()
 
 
+def node_conditionals_at(joint: Tensor, width: int, parents: Tensor, tokens: Tensor) -> Tensor:
+    """:func:`node_conditionals` read at (parent slot, token) pairs only, the same numbers: [N] float32
+    ``log q(token | parent)``, with a row sum per pair instead of a log over all ``W * V`` entries (what a
+    verification reads of a draft layer: one node per layer of its path)."""
+    rows = joint.reshape(width, -1).float()[parents]  # [N, V]
+    total = rows.sum(-1, keepdim=True)
+    picked = rows.gather(-1, tokens.reshape(-1, 1))
+    return (picked / torch.where(total > 0, total, torch.ones_like(total))).log()[:, 0]
+
+
 def log_tau(tau: float) -> float:
     """log τ in float64 (``-inf`` for τ = 0: every prefix passes), as engine and reference compare it."""
     return float("-inf") if tau == 0 else math.log(tau)

@@ -3,10 +3,10 @@
 An MJSD group is a beam group with one beam and ``K = beam_width`` draft
 slots. Its draft layers are DSBD's (``spec_step.draft_layer``: K draft beams
 drawn from the joint over (slot, token), or the draft's beam search at
-``T = 0``); besides, the runner keeps each layer's per-node draft
+``T = 0``); the runner keeps what gives each layer's per-node draft
 distribution ``log q(. | node)``, the one each node's token was drawn from
-(:func:`node_logprobs`: at ``T > 0`` the parent's row of the joint,
-renormalised). The scheduler's group
+(:func:`kept_draft`: at ``T > 0`` the joint, whose parent row renormalised is
+read at the path's nodes only; at ``T = 0`` the raw log-probs). The scheduler's group
 picks the draft beam with the highest joint draft log-prob and sets up one
 path request for it; the target's forward over that path gives, here
 (:func:`verify`), the accepted prefix (the longest with ``log P - log Q >=
@@ -23,19 +23,15 @@ import torch
 from torch import Tensor
 
 from vllm_dsbd.algorithm import sample_joint
-from vllm_dsbd.algorithm.mjsd import accepted_length, log_tau, node_conditionals, token_logprobs
+from vllm_dsbd.algorithm.mjsd import accepted_length, log_tau, node_conditionals_at, token_logprobs
 from vllm_dsbd.engine.protocol import DraftStep, VerifyChoice, VerifyDecision, VerifyStep, layer_slot
 from vllm_dsbd.engine.spec_step import VERIFY_SALT, generator, node_completes, node_token_finishes, token_logprob
 from vllm_dsbd.engine.stops import StopCheckers
 
 
-def node_logprobs(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, joint: Tensor | None) -> Tensor:
-    """[W*V] float32: ``log q(. | node)`` of every parent node of this draft layer, by slot: the
-    distribution the layer drew each node's token from. ``T > 0``: the parent's row of the layer's
-    ``joint`` (``spec_step.draft_layer``; top-k / top-p on the joint), renormalised; ``T = 0``: the
-    draft's raw log-probs (0 at slots without a parent)."""
-    if joint is not None:
-        return node_conditionals(joint.cpu(), ds.beam_width).reshape(-1)
+def greedy_node_logprobs(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep) -> Tensor:
+    """[W*V] float32: the draft's raw ``log q(. | node)`` of every parent node of a ``T = 0`` draft layer (its
+    beam search), by slot (0 at slots without a parent)."""
     rows = torch.tensor([row_of[r] for r in ds.req_ids], device=logits.device)
     parent_logits = logits.index_select(0, rows).float()
     out = torch.zeros((ds.beam_width, parent_logits.shape[-1]))
@@ -44,18 +40,20 @@ def node_logprobs(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, join
 
 
 def kept_draft(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, joint: Tensor | None) -> Tensor | None:
-    """What the runner keeps of a draft layer until its verification (``DraftStore``): an MJSD group's
-    :func:`node_logprobs` (its rule compares per-node likelihoods), a DSBD group's ``joint`` (None at T 0).
-    The same in draft steps and in the verify step before them (``engine.forest_draft``)."""
-    return node_logprobs(logits, row_of, ds, joint) if ds.mjsd else joint
+    """What the runner keeps of a draft layer until its verification (``DraftStore``): the joint the layer
+    drew from (``T > 0``; an MJSD verification reads its nodes' conditionals from it), or at ``T = 0`` an MJSD
+    group's :func:`greedy_node_logprobs` (a DSBD group's: nothing). The same in draft steps and in the verify
+    step before them (``engine.forest_draft``)."""
+    return greedy_node_logprobs(logits, row_of, ds) if ds.mjsd and joint is None else joint
 
 
-def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_logprobs: Tensor,
+def verify(path_logits: Sequence[Tensor], vs: VerifyStep, drafts: Tensor,
            stops: StopCheckers | None = None) -> VerifyDecision:
     """Verify an MJSD group's draft path.
 
     path_logits: one [len(path), V] tensor, the target's logits at the path's nodes (root first).
-    draft_logprobs: [layers, W*V], :func:`node_logprobs` of each draft layer.
+    drafts: [layers, W*V], :func:`kept_draft` of each draft layer: at ``T > 0`` the joint it drew from
+    (``log q(token | parent)``: ``algorithm.mjsd.node_conditionals_at``), at ``T = 0`` the raw log-probs.
     """
     (path,) = vs.paths
     width = vs.beam_width
@@ -63,7 +61,14 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_logprobs: Tensor
     vocab = logits.shape[-1]
     slots = [layer_slot(n, width) for n in path[1:]]  # (layer, slot) of each path node; layer l is draft row l - 1
     tokens = [vs.draft_tokens[layer - 1][slot] for layer, slot in slots]
-    q = torch.tensor([float(draft_logprobs[layer - 1].view(width, vocab)[vs.draft_parents[layer - 1][slot], t])
+
+    def draft_logprob(layer: int, parent: int, token: int) -> float:  # log q(token | parent) of that layer
+        if vs.temperature > 0:
+            return float(node_conditionals_at(drafts[layer - 1], width, torch.tensor([parent]),
+                                              torch.tensor([token]))[0])
+        return float(drafts[layer - 1].view(width, vocab)[parent, token])
+
+    q = torch.tensor([draft_logprob(layer, vs.draft_parents[layer - 1][slot], t)
                       for (layer, slot), t in zip(slots, tokens)], dtype=torch.float64)
     target = token_logprobs(logits, vs.temperature, vs.top_k, vs.top_p)  # [len(path), V]
     p = target[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].double()
