@@ -46,7 +46,10 @@ def markdown_table(result: dict) -> str:
         f"max_tokens {s['max_tokens']}, batch_size {s['batch_size']}, beam width {s['beam_width']}, "
         f"temperature {s['temperature']} (sampling methods), seed {s['seed']}",
         f"- speedup = wall time of `{result['baseline']}` / wall time of the method, same run; "
-        "warm-up excluded",
+        "warm-up excluded"
+        + (f"; {result['rounds']} rounds (every backend started anew each round), each method's median "
+           "round reported, every round's wall time in the JSON (`wall_s_rounds`)"
+           if result.get("rounds", 1) > 1 else ""),
         f"- quality: {result['scoring']}",
         "- output tokens: of the best returned sequence, up to its first EOS; fwd/tok: vLLM engine "
         "steps (one target forward each) per output token; acc/draft: accepted draft tokens per draft; "

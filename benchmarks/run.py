@@ -86,17 +86,46 @@ def load_prompts(path: Path, num_prompts: int | None, tokenizer) -> list[harness
 
 
 def run_methods(
-    config: BenchConfig, settings: Settings, prompts: list[harness.Prompt], eos_token_id: int | None
+    config: BenchConfig, settings: Settings, prompts: list[harness.Prompt], eos_token_id: int | None,
+    rounds: int = 1,
 ) -> tuple[dict[str, dict], list[harness.RequestRecord]]:
-    """Every selected method on ``prompts``, backend by backend; scored and summarised.
+    """Every selected method on ``prompts``, backend by backend; scored and summarised. With ``rounds`` > 1
+    the whole sequence runs that many times (each backend started anew every round), and each method is
+    reported by its round of median wall time (every round's wall time is recorded), so that a machine
+    whose speed drifts between engines weighs on every method alike.
 
     Returns the per-method summaries (status, metrics, speedup vs the config's
     baseline) and every request's record.
     """
     selected = [METHODS[name] for name in config.methods]
     status: dict[str, dict] = {}
-    runs: dict[str, harness.MethodRun] = {}
+    every: dict[str, list[harness.MethodRun]] = {}
+    for round_ in range(rounds):
+        if rounds > 1:
+            print(f"[bench] round {round_ + 1} of {rounds}", flush=True)
+        for name, run_ in _run_round(selected, config, settings, prompts, eos_token_id, status).items():
+            every.setdefault(name, []).append(run_)
+    runs = {name: sorted(rs, key=lambda r: r.wall_s)[(len(rs) - 1) // 2] for name, rs in every.items()}
 
+    records = [r for run_ in runs.values() for r in run_.requests]
+    print("[bench] scoring", flush=True)
+    scoring.score(settings.target, prompts, records)
+
+    methods = {}
+    for m in selected:
+        methods[m.name] = {"description": m.description, "backend": m.backend} | status[m.name]
+        if m.name in runs:
+            methods[m.name] |= harness.summarize(runs[m.name])
+            methods[m.name]["wall_s_rounds"] = [r.wall_s for r in every[m.name]]
+    harness.add_speedups(methods, config.baseline)
+    return methods, records
+
+
+def _run_round(selected, config: BenchConfig, settings: Settings, prompts: list[harness.Prompt],
+               eos_token_id: int | None, status: dict[str, dict]) -> dict[str, harness.MethodRun]:
+    """One round: every runnable method, backend by backend (each started, used, shut down); ``status`` gets
+    each method's outcome (a method that failed in any round stays failed)."""
+    runs: dict[str, harness.MethodRun] = {}
     for backend in dict.fromkeys(m.backend for m in selected):
         runnable = []
         for m in (m for m in selected if m.backend == backend):
@@ -128,31 +157,20 @@ def run_methods(
                         eos_token_id=eos_token_id,
                         probes=probes,
                     )
-                    status[m.name] = {"status": "ok"}
+                    status.setdefault(m.name, {"status": "ok"})
                 except Exception as e:  # recorded in the results and printed; the other methods go on
                     traceback.print_exc()
                     status[m.name] = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
                 print(f"[bench] {m.name}: {status[m.name]}", flush=True)
-
-    records = [r for run_ in runs.values() for r in run_.requests]
-    print("[bench] scoring", flush=True)
-    scoring.score(settings.target, prompts, records)
-
-    methods = {}
-    for m in selected:
-        methods[m.name] = {"description": m.description, "backend": m.backend} | status[m.name]
-        if m.name in runs:
-            methods[m.name] |= harness.summarize(runs[m.name])
-    harness.add_speedups(methods, config.baseline)
-    return methods, records
+    return runs
 
 
-def run(config: BenchConfig, settings: Settings, out_dir: Path) -> dict:
+def run(config: BenchConfig, settings: Settings, out_dir: Path, rounds: int = 1) -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(settings.target)
     prompts = load_prompts(Path(config.prompts_file), config.num_prompts, tokenizer)
-    methods, records = run_methods(config, settings, prompts, tokenizer.eos_token_id)
+    methods, records = run_methods(config, settings, prompts, tokenizer.eos_token_id, rounds)
 
     result = {
         "profile": config.profile,
@@ -168,6 +186,7 @@ def run(config: BenchConfig, settings: Settings, out_dir: Path) -> dict:
             "chat_template": True,
         },
         "baseline": config.baseline,
+        "rounds": rounds,
         "scoring": scoring.SCORING,
         "methods": methods,
     }
@@ -190,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--baseline", default=None)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every method this many times, backends started anew each round; each method is "
+                        "reported by its median round (default 1)")
     add_dtype_argument(p)
     p.add_argument("--out", type=Path, default=None, help="output folder (default: the config's out_dir)")
     args = p.parse_args(argv)
@@ -221,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         dtype_reason=dtype.reason,
     )
     out_dir = args.out or Path(config.out_dir)
-    result = run(config, settings, out_dir)
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    result = run(config, settings, out_dir, rounds=args.rounds)
     print((out_dir / "table.md").read_text())
     print(f"results in {out_dir}/")
     failed = failed_methods(result)

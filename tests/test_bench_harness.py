@@ -236,7 +236,7 @@ def test_the_harness_exits_non_zero_when_a_method_raised(tmp_path, monkeypatch, 
         return {"methods": {"a": {"status": "ok"}, "b": {"status": "skipped"}, "c": {"status": status}}}
 
     for status, want in (("error", 1), ("ok", 0), ("skipped", 0)):
-        monkeypatch.setattr(bench_run, "run", lambda c, s, o, st=status: fake_run(c, s, o, st))
+        monkeypatch.setattr(bench_run, "run", lambda c, s, o, rounds=1, st=status: fake_run(c, s, o, st))
         code = bench_run.main(["--config", "benchmarks/configs/quick.json", "--out", str(tmp_path),
                                "--target", "t", "--draft", "d"])
         assert code == want, status
@@ -250,7 +250,7 @@ def test_the_harness_records_the_dtype_it_picked(tmp_path, monkeypatch):
 
     seen = []
 
-    def fake_run(config, settings, out_dir):
+    def fake_run(config, settings, out_dir, rounds=1):
         seen.append(settings)
         (out_dir / "table.md").write_text("table\n")
         return {"methods": {}}
@@ -263,6 +263,45 @@ def test_the_harness_records_the_dtype_it_picked(tmp_path, monkeypatch):
     assert (auto.dtype, auto.dtype_reason) == (machine_dtype().dtype, machine_dtype().reason)
     assert (explicit.dtype, explicit.dtype_reason) == ("float32", "asked for (--dtype float32)")
     assert dataclasses.asdict(explicit)["dtype"] == "float32"  # run() records asdict(settings) in the result
+
+
+def test_rounds_start_every_backend_anew_and_report_each_methods_median_round(monkeypatch):
+    """``--rounds 3``: every backend starts once a round, each method is reported by its round of median wall
+    time (its metrics from that round), every round's wall time is recorded, and the speedup is of medians."""
+    from contextlib import contextmanager
+
+    from benchmarks import methods as bench_methods
+    from benchmarks import run as bench_run
+
+    walls = {"a": [5.0, 3.0, 4.0], "b": [1.0, 2.5, 2.0]}  # per round; medians: a 4.0 (round 3), b 2.0 (round 3)
+    starts = []
+
+    @contextmanager
+    def backend(settings):
+        starts.append(settings.target)
+        yield None, Probes()
+
+    def fake_run_method(name, generate, prompts, **kw):
+        wall = walls[name].pop(0)
+        record = harness.RequestRecord(name, "p0", "qa", 0, wall, [[5, 6]])
+        return harness.MethodRun(name, [record], wall, counters={"engine_steps": wall})
+
+    monkeypatch.setitem(bench_methods.BACKENDS, "fake", backend)
+    for name in walls:
+        monkeypatch.setitem(bench_methods.METHODS, name, bench_methods.Method(name, "fake", name, lambda h, s: None))
+    monkeypatch.setattr(harness, "run_method", fake_run_method)
+    monkeypatch.setattr(bench_run.scoring, "score", lambda *args: None)
+    config = bench_run.BenchConfig(profile="t", prompts_file="f", num_prompts=None, max_tokens=4, beam_width=2,
+                                   temperature=1.0, batch_size=1, seed=0, warmup_tokens=0, num_speculative_tokens=1,
+                                   width_threshold=0.7, baseline="a", methods=["a", "b"], out_dir="o")
+    settings = Settings("target", None, beam_width=2, temperature=1.0, seed=0, num_speculative_tokens=1,
+                        width_threshold=0.7)
+    methods, records = bench_run.run_methods(config, settings, _prompts(1), EOS, rounds=3)
+    assert len(starts) == 3  # one backend, started anew each round
+    assert methods["a"]["wall_s_rounds"] == [5.0, 3.0, 4.0] and methods["a"]["wall_s"] == 4.0
+    assert methods["b"]["wall_s_rounds"] == [1.0, 2.5, 2.0] and methods["b"]["wall_s"] == 2.0
+    assert methods["b"]["speedup_vs_baseline"] == pytest.approx(2.0)
+    assert [r.latency_s for r in records] == [4.0, 2.0]  # the median rounds' records are the ones scored
 
 
 def test_lossless_compare_reports_where_and_by_how_much_the_best_beams_differ():
