@@ -174,6 +174,34 @@ def permutation_llm(engine_pool, tiny_pair, tmp_path_factory):
     return engine_pool.get("permutation_llm", start)
 
 
+def test_mjsd_drafting_inside_the_verify_step_feeds_the_head_the_accepted_tokens(engine_pool, tiny_pair,
+                                                                                 tmp_path_factory):
+    """MJSD (K 1, γ 2, T 0) on the permutation pair with ``draft_in_step``: depth 1 is right after a
+    request's first iteration, depth 2 (fed the head's own output) never, so every later iteration accepts
+    one draft token, and the next draft, drawn in that verify step, reads the target's feature of it. A
+    chain left without its accepted tokens (planted) reads the wrong feature after every acceptance."""
+    from eagle3_heads import write_permutation_head, write_permutation_target  # tests/eagle3_heads.py
+    from vllm import SamplingParams
+
+    def start():
+        root = tmp_path_factory.mktemp("permutation-in-step")
+        target = write_permutation_target(tiny_pair.target, root / "target")
+        return start_spec_llm(target, write_permutation_head(target, root / "head"), {}, gamma=2,
+                              knobs={"draft_in_step": True})
+
+    llm = engine_pool.get("permutation_in_step_llm", start)
+    names = {k: f"vllm:spec_decode_num_{k}" for k in ("drafts", "accepted_tokens")}
+    before = {k: engine_metric(llm, n) for k, n in names.items()}
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, extra_args={
+        "decoder": "mjsd", "beam_width": 1, "num_speculative_tokens": 2, "mjsd_tau": 0.5})
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    after = {k: engine_metric(llm, n) - before[k] for k, n in names.items()}
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    # all but two iterations a request accept one: its first (after a prompt the head is wrong) and its last
+    # (one token left: no draft); 9 iterations of 1 + 7 x 2 + 1 tokens (the planted chain: 11, 5 accepted)
+    assert after["accepted_tokens"] == after["drafts"] - 2 * len(PROMPTS) == 7 * len(PROMPTS), after
+
+
 def test_a_head_reads_the_feature_of_the_position_before_each_token(permutation_llm):
     """W = 1, γ = 1: each iteration drafts one token from the last token and the target's feature of the one
     before it. After a prompt, whose last token does not follow its previous one, every draft is right: the
@@ -380,7 +408,8 @@ def test_mjsd_drafts_inside_the_verify_step(in_step_llm, tiny_eos_llm):
     the verify step before it, so only a request's first iteration takes draft steps (γ of them; a request
     that turns the knob off takes γ per iteration). T 0 stays greedy; at T 1 each seeded request gives the
     tokens it gives drafting in draft steps (the same draws and acceptances, the head's logits on forest
-    rows); no KV leaks after finishing and aborts."""
+    rows); no KV leaks after finishing and aborts. (That the head reads the accepted tokens: the permutation
+    test below.)"""
     from vllm import SamplingParams
 
     def mjsd(temperature: float, max_tokens: int = 16, seed: int = 5, ignore_eos: bool = False,
@@ -401,8 +430,9 @@ def test_mjsd_drafts_inside_the_verify_step(in_step_llm, tiny_eos_llm):
     assert drafts <= 3 * len(PROMPTS), drafts
     off, drafts_off = run(mjsd(0.0, draft_in_step=False))
     assert off == got and drafts_off > 3 * len(PROMPTS), drafts_off
-    # T 1: τ so low that the random head's drafts pass now and then, so the kept draft log-probs matter
-    # (storing the layers' joints instead of their per-node log-probs changes these outputs)
+    # T 1: τ so low that the random head's drafts pass now and then, so the draws and the draft log-probs the
+    # verification reads decide the outputs (in-step layers drawn with another iteration's seed, planted,
+    # change them)
     accepted = engine_metric(in_step_llm, "vllm:spec_decode_num_accepted_tokens")
     sampled, drafts = run(mjsd(1.0, ignore_eos=True, mjsd_tau=1e-4))
     assert engine_metric(in_step_llm, "vllm:spec_decode_num_accepted_tokens") > accepted

@@ -20,7 +20,7 @@ shallow iteration never sends the group back to draft steps. The head runs on *f
 
 An MJSD group (one beam, K = W draft beams, ``engine.mjsd_step``) is drafted the same way after its
 verification: its root's score is 0 (MJSD scores a draft path by its draft log-probs alone) and the store
-keeps each layer's per-node draft log-probs (``mjsd_step.kept_draft``), as its draft steps do.
+keeps what its verification reads of each layer (``mjsd_step.kept_draft``), as its draft steps do.
 
 The scheduler then sets up the paths of the next forest at once (``BeamGroup.apply_drafted``). A request's
 first iteration drafts in draft steps, which also compute the head KV of its prompt, unless it is an
@@ -104,8 +104,8 @@ def draft_after_beam_step(runner, step: GroupStep, decision: GroupDecision) -> t
 def _draw(runner, group: GroupDecoding, layers: int, beams: list[tuple[Chain, int, float]],
           mjsd: bool = False) -> tuple[list[DraftDecision], int]:
     """Draft layers 1..``layers`` from new beams (their chain, their last token, their score), as the next
-    iteration's draft steps would draw them (``mjsd``: an MJSD group's, which keep each layer's per-node
-    draft log-probs); and the head rows computed (every layer's call)."""
+    iteration's draft steps would draw them (``mjsd``: an MJSD group's, ``mjsd_step.kept_draft``); and the
+    head rows computed (every layer's call)."""
     batch = runner.input_batch
     table = batch.block_table[runner._dsbd_features_gid]
     size = table.block_size
