@@ -430,6 +430,16 @@ def test_mjsd_drafts_inside_the_verify_step(in_step_llm, tiny_eos_llm):
     assert drafts <= 3 * len(PROMPTS), drafts
     off, drafts_off = run(mjsd(0.0, draft_in_step=False))
     assert off == got and drafts_off > 3 * len(PROMPTS), drafts_off
+    # stop strings that greedy decoding writes halfway (after iterations drafted in the step): the greedy
+    # request's text and finish reason
+    texts = [o.outputs[0].text for o in greedy if len(o.outputs[0].text) >= 8]
+    stops = [t[len(t) // 2:len(t) // 2 + 2] for t in texts]
+    want = tiny_eos_llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, stop=stops), use_tqdm=False)
+    cut = SamplingParams(temperature=0.0, max_tokens=16, stop=stops, extra_args=mjsd(0.0).extra_args)
+    fields = ("text", "token_ids", "finish_reason", "stop_reason")
+    for g, w in zip(in_step_llm.generate(PROMPTS, cut, use_tqdm=False), want, strict=True):
+        assert [getattr(g.outputs[0], f) for f in fields] == [getattr(w.outputs[0], f) for f in fields]
+    assert sum(w.outputs[0].stop_reason in stops for w in want) >= 1  # a stop was hit
     # T 1: τ so low that the random head's drafts pass now and then, so the draws and the draft log-probs the
     # verification reads decide the outputs (in-step layers drawn with another iteration's seed, planted,
     # change them)
