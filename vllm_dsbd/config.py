@@ -91,9 +91,9 @@ class DSBDConfig:
     draft_in_step: bool = False
     """Experimental (needs an EAGLE-3 head): a DSBD iteration's forest (an MJSD iteration's draft beams) is
     drafted inside the verify step before it (``engine.forest_draft``) instead of in draft steps of its own,
-    after the first iteration of a request (with auto_depth, also inside a beam step). Not for
-    memory-efficient requests, which draft in draft steps as before. Turned on for the engine (it sets the
-    head up for it); a request may turn it off."""
+    after the first iteration of a request (with auto_depth, also inside a beam step; memory-efficient
+    requests from the one beam the verification kept). Turned on for the engine (it sets the head up for
+    it); a request may turn it off."""
 
     draft_temperature_scale: float = 1.0
     """At T > 0 the draft samples each layer at temperature T * this (below 1: sharper than the target).

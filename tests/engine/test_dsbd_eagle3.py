@@ -174,14 +174,10 @@ def permutation_llm(engine_pool, tiny_pair, tmp_path_factory):
     return engine_pool.get("permutation_llm", start)
 
 
-def test_mjsd_drafting_inside_the_verify_step_feeds_the_head_the_accepted_tokens(engine_pool, tiny_pair,
-                                                                                 tmp_path_factory):
-    """MJSD (K 1, γ 2, T 0) on the permutation pair with ``draft_in_step``: depth 1 is right after a
-    request's first iteration, depth 2 (fed the head's own output) never, so every later iteration accepts
-    one draft token, and the next draft, drawn in that verify step, reads the target's feature of it. A
-    chain left without its accepted tokens (planted) reads the wrong feature after every acceptance."""
+@pytest.fixture
+def permutation_in_step_llm(engine_pool, tiny_pair, tmp_path_factory):
+    """As ``permutation_llm``, with ``draft_in_step``."""
     from eagle3_heads import write_permutation_head, write_permutation_target  # tests/eagle3_heads.py
-    from vllm import SamplingParams
 
     def start():
         root = tmp_path_factory.mktemp("permutation-in-step")
@@ -189,7 +185,17 @@ def test_mjsd_drafting_inside_the_verify_step_feeds_the_head_the_accepted_tokens
         return start_spec_llm(target, write_permutation_head(target, root / "head"), {}, gamma=2,
                               knobs={"draft_in_step": True})
 
-    llm = engine_pool.get("permutation_in_step_llm", start)
+    return engine_pool.get("permutation_in_step_llm", start)
+
+
+def test_mjsd_drafting_inside_the_verify_step_feeds_the_head_the_accepted_tokens(permutation_in_step_llm):
+    """MJSD (K 1, γ 2, T 0) on the permutation pair with ``draft_in_step``: depth 1 is right after a
+    request's first iteration, depth 2 (fed the head's own output) never, so every later iteration accepts
+    one draft token, and the next draft, drawn in that verify step, reads the target's feature of it. A
+    chain left without its accepted tokens (planted) reads the wrong feature after every acceptance."""
+    from vllm import SamplingParams
+
+    llm = permutation_in_step_llm
     names = {k: f"vllm:spec_decode_num_{k}" for k in ("drafts", "accepted_tokens")}
     before = {k: engine_metric(llm, n) for k, n in names.items()}
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, extra_args={
@@ -200,6 +206,31 @@ def test_mjsd_drafting_inside_the_verify_step_feeds_the_head_the_accepted_tokens
     # all but two iterations a request accept one: its first (after a prompt the head is wrong) and its last
     # (one token left: no draft); 9 iterations of 1 + 7 x 2 + 1 tokens (the planted chain: 11, 5 accepted)
     assert after["accepted_tokens"] == after["drafts"] - 2 * len(PROMPTS) == 7 * len(PROMPTS), after
+
+
+def test_memory_efficient_drafting_inside_the_verify_step_draws_what_draft_steps_draw(permutation_in_step_llm):
+    """Memory-efficient DSBD (W 4, γ 2, one beam carried) on the permutation pair with ``draft_in_step``, at
+    T 2, where the head's depth-1 distribution is the target's own spread over many tokens: its drafts pass,
+    and which tokens it draws decides the output. Each seeded request gives the tokens it gives drafting in
+    draft steps (the in-step layers drawn with the draft steps' seeds, from the one beam the verification
+    kept), with dynamic and with fixed width, and takes draft steps only in its first iteration."""
+    llm = permutation_in_step_llm
+
+    def run(seed: int, **extra):
+        before, accepted = _steps(llm), engine_metric(llm, "vllm:spec_decode_num_accepted_tokens")
+        params = [_beams(1, 2, 16, temperature=2.0, seed=seed + i, ignore_eos=True,
+                         extra={"beam_width": 4, "memory_efficient": True, **extra}) for i in range(len(PROMPTS))]
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        drafts = _steps(llm).get("draft", 0) - before.get("draft", 0)
+        return ([list(o.outputs[0].token_ids) for o in outs], drafts,
+                engine_metric(llm, "vllm:spec_decode_num_accepted_tokens") - accepted)
+
+    for extra in ({"width_threshold": 0.9}, {"fixed_width": True}):
+        got, drafts, accepted = run(7, **extra)
+        off, drafts_off, accepted_off = run(7, draft_in_step=False, **extra)
+        assert got == off, (extra, got, off)
+        assert accepted == accepted_off >= 2 * len(PROMPTS), (extra, accepted, accepted_off)
+        assert drafts <= 2 * len(PROMPTS) < drafts_off, (extra, drafts, drafts_off)
 
 
 def test_a_head_reads_the_feature_of_the_position_before_each_token(permutation_llm):
@@ -450,6 +481,32 @@ def test_mjsd_drafts_inside_the_verify_step(in_step_llm, tiny_eos_llm):
     assert sampled == sampled_off and drafts <= 3 * len(PROMPTS), (sampled, sampled_off, drafts)
     assert_kv_freed_after_finish_and_abort(in_step_llm, mjsd(0.9, 30, seed=1),
                                            lambda i: mjsd(1.0, 200, seed=i, ignore_eos=True), "abort-mjsd-in-step")
+
+
+def test_memory_efficient_requests_draft_inside_the_verify_step(in_step_llm):
+    """Memory-efficient DSBD (one beam carried between iterations) on an engine that drafts inside the verify
+    step: each later forest grows from the one beam the verification kept, drawn in that step, so only a
+    request's first iteration takes draft steps (γ of them; γ per iteration with the knob off), at T 0 and T 1
+    each seeded request gives the tokens it gives drafting in draft steps, and no KV leaks after finishing and
+    aborts. (The random head's drafts never pass here; that the in-step draws are the draft steps' draws: the
+    permutation-pair test above.)"""
+    def me(temperature: float, seed: int, max_tokens: int = 12, **extra):
+        return _beams(1, 2, max_tokens, temperature=temperature, seed=seed, ignore_eos=temperature > 0,
+                      extra={"beam_width": 4, "memory_efficient": True, "width_threshold": 0.9, **extra})
+
+    def run(params):
+        before = _steps(in_step_llm)
+        outs = in_step_llm.generate(PROMPTS, params, use_tqdm=False)
+        after = _steps(in_step_llm)
+        return [[list(c.token_ids) for c in o.outputs] for o in outs], after.get("draft", 0) - before.get("draft", 0)
+
+    for temperature in (0.0, 1.0):
+        got, drafts = run([me(temperature, 3 + i) for i in range(len(PROMPTS))])
+        off, drafts_off = run([me(temperature, 3 + i, draft_in_step=False) for i in range(len(PROMPTS))])
+        assert got == off, (temperature, got, off)
+        assert drafts <= 2 * len(PROMPTS) < drafts_off, (temperature, drafts, drafts_off)
+    assert_kv_freed_after_finish_and_abort(in_step_llm, me(0.9, 1, 30),
+                                           lambda i: me(1.0, i, 200), "abort-me-in-step")
 
 
 def test_drafting_inside_the_verify_step_is_distributed_as_beam_sampling(in_step_llm, tiny_eos_target):

@@ -22,6 +22,8 @@ An MJSD group (one beam, K = W draft beams, ``engine.mjsd_step``) is drafted the
 verification: its root's score is 0 (MJSD scores a draft path by its draft log-probs alone) and the store
 keeps what its verification reads of each layer (``mjsd_step.kept_draft``), as its draft steps do.
 
+A memory-efficient group's verification keeps one beam, so its next forest grows from that beam alone.
+
 The scheduler then sets up the paths of the next forest at once (``BeamGroup.apply_drafted``). A request's
 first iteration drafts in draft steps, which also compute the head KV of its prompt, unless it is an
 ``auto_depth`` request whose prompt fits ``MAX_CHAIN``: its first iteration is a beam step whose chain is the

@@ -147,8 +147,7 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
         )
         root = self._internal_request(group_id, first, list(first.prompt_token_ids), first._block_hasher)
         group = BeamGroup(group_id, [u.request_id for u in users], first.num_prompt_tokens, params, root)
-        group.draft_in_step = (config.draft_in_step and params.num_speculative_tokens > 0
-                               and not params.memory_efficient)
+        group.draft_in_step = config.draft_in_step and params.num_speculative_tokens > 0
         self.groups[group_id] = group
         self._admission.append(group_id)
 
