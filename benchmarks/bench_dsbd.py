@@ -17,7 +17,9 @@ batch (``--batch all``) or one after another (``--batch 1``, the default: latenc
 interleaved: each prompt runs every row in turn, so a drift of the machine's
 speed during the run hits every row alike (``--repeat N``: all of it N times,
 still interleaved). Rows with
-``--auto`` let the engine choose γ per iteration (``auto_depth``, at most ``--auto-max``).
+``--auto`` let the engine choose γ per iteration (``auto_depth``, at most ``--auto-max``); with
+``--memory-efficient``, rows at T > 0 with dynamic width that carry one beam between iterations
+(``memory_efficient``, one sequence out).
 Besides wall time, each row records from the engine's own counters
 (``llm.get_metrics()``) its DSBD iterations, i.e. target forwards per group,
 the draft nodes proposed and accepted, and the beam layers produced and
@@ -69,20 +71,26 @@ def _profile_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
             for kind, values in after.items() if values["steps"] > before.get(kind, {}).get("steps", 0)}
 
 
-def _rows(gammas: list[int], temperature: float, auto: int, in_step: list[bool],
-          scales: list[float | None]) -> list[tuple[str, int, bool, bool, bool, float | None]]:
-    """(name, γ (the maximum with auto), fixed width, auto_depth, draft_in_step, draft_temperature_scale) of
-    every row; γ = 0 (the baseline) first. Every DSBD row comes once per ``in_step`` mode and, at T > 0, once
-    per draft temperature scale (None: the knob is not sent, the engine's value applies)."""
-    widths = [True] if temperature == 0 else [True, False]
+WIDTHS = ("fixed", "dynamic", "memory-efficient")
+"""How a DSBD row sets its width: fixed W, dynamic (τ), or dynamic carrying one beam between iterations
+(``memory_efficient``: one sequence out, against in-engine beam sampling's W)."""
+
+
+def _rows(gammas: list[int], temperature: float, auto: int, in_step: list[bool], scales: list[float | None],
+          memory_efficient: bool = False) -> list[tuple[str, int, str, bool, bool, float | None]]:
+    """(name, γ (the maximum with auto), width (``WIDTHS``), auto_depth, draft_in_step, draft_temperature_scale)
+    of every row; γ = 0 (the baseline) first. Every DSBD row comes once per ``in_step`` mode and, at T > 0, once
+    per draft temperature scale (None: the knob is not sent, the engine's value applies); memory-efficient
+    rows at T > 0 only with ``memory_efficient``."""
+    widths = ["fixed"] if temperature == 0 else [w for w in WIDTHS if memory_efficient or w != "memory-efficient"]
     scales = scales if temperature > 0 else [1.0]
-    rows = [("in-engine", 0, True, False, False, 1.0)]
+    rows = [("in-engine", 0, "fixed", False, False, 1.0)]
     for gamma in (g for g in gammas if g > 0):
-        rows += [("dsbd-fixed" if fixed else "dsbd-dynamic", gamma, fixed, False, mode, scale)
-                 for fixed in widths for mode in in_step for scale in scales]
+        rows += [(f"dsbd-{width}", gamma, width, False, mode, scale)
+                 for width in widths for mode in in_step for scale in scales]
     if auto:
-        rows += [("dsbd-auto-fixed" if fixed else "dsbd-auto-dynamic", auto, fixed, True, mode, scale)
-                 for fixed in widths for mode in in_step for scale in scales]
+        rows += [(f"dsbd-auto-{width}", auto, width, True, mode, scale)
+                 for width in widths for mode in in_step for scale in scales]
     return rows
 
 
@@ -130,7 +138,8 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "benchmark": "bench_dsbd",
         "settings": {"pair": args.pair, "target": target, "drafts": drafts, "width": args.width, "gammas": gammas,
-                     "auto_depth_rows": args.auto, "temperatures": temperatures, "width_threshold": args.tau,
+                     "auto_depth_rows": args.auto, "memory_efficient_rows": args.memory_efficient,
+                     "temperatures": temperatures, "width_threshold": args.tau,
                      "draft_vocab_sizes": vocab_sizes, "draft_in_step": args.draft_in_step,
                      "draft_temperature_scales": ["draft" if s is None else s for s in scales],
                      "max_tokens": args.max_tokens, "num_prompts": len(prompts),
@@ -173,22 +182,24 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft,
 
     engine_scale = DSBDConfig.from_vllm_config(llm.llm_engine.vllm_config).draft_temperature_scale
 
-    def decode(gamma, temperature, fixed, auto, in_step_row, scale, max_tokens, batch):
+    def decode(gamma, temperature, width, auto, in_step_row, scale, max_tokens, batch):
         extra = {"beam_width": args.width, "num_speculative_tokens": gamma, "width_threshold": args.tau,
                  "auto_depth": auto}
         if scale is not None:
             extra["draft_temperature_scale"] = scale
-        if fixed:
+        if width == "fixed":
             extra["fixed_width"] = True
+        elif width == "memory-efficient":
+            extra["memory_efficient"] = True
         if args.draft_in_step != "off":  # the engine drafts in the verify step unless the request turns it off
             extra["draft_in_step"] = in_step_row
-        params = SamplingParams(n=args.width, temperature=temperature, seed=args.seed, max_tokens=max_tokens,
+        params = SamplingParams(n=1 if width == "memory-efficient" else args.width, temperature=temperature, seed=args.seed, max_tokens=max_tokens,
                                 ignore_eos=True, extra_args=extra)
         return llm.generate(batch, params, use_tqdm=False)
 
     rows = []
     for temperature in temperatures:
-        specs = [spec for spec in _rows(gammas, temperature, auto_max, in_step, scales)
+        specs = [spec for spec in _rows(gammas, temperature, auto_max, in_step, scales, args.memory_efficient)
                  if spec[1] > 0 or with_baseline]
         for _, gamma, *knobs in specs:
             decode(gamma, temperature, *knobs, 4, inputs[:1])  # warm-up
@@ -212,7 +223,7 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft,
                     for k, v in values.items():
                         total[k] += v
         for spec in specs:
-            name, gamma, fixed, auto, in_step_row, scale = spec
+            name, gamma, width, auto, in_step_row, scale = spec
             run = runs[spec]
             secs, out, profile = run["secs"], run["out"], run["profile"]
             tokens = [[list(c.token_ids) for c in o.outputs] for o in out]
@@ -266,11 +277,12 @@ def plot(result: dict, path: Path) -> None:
                       + (f", q at T x{scale:g}" if scale != 1 else ""))
             mine = [r for r in rows if r.get("draft") == draft and r.get("draft_vocab_size", 0) == vocab
                     and bool(r.get("draft_in_step")) == in_step and r.get("draft_temperature_scale", 1.0) == scale]
-            for name, marker in (("dsbd-fixed", "o"), ("dsbd-dynamic", "s")):
+            for name, marker in (("dsbd-fixed", "o"), ("dsbd-dynamic", "s"), ("dsbd-memory-efficient", "^")):
                 pts = [(r["gamma"], r["speedup_vs_in_engine"]) for r in mine if r["method"] == name]
                 if pts:
                     ax.plot(*zip(*pts), marker=marker, label=name + suffix)
-            for name, marker in (("dsbd-auto-fixed", "*"), ("dsbd-auto-dynamic", "P")):
+            for name, marker in (("dsbd-auto-fixed", "*"), ("dsbd-auto-dynamic", "P"),
+                                 ("dsbd-auto-memory-efficient", "X")):
                 pts = [(r["gamma"], r["speedup_vs_in_engine"]) for r in mine if r["method"] == name]
                 if pts:
                     ax.scatter(*zip(*pts), marker=marker, s=90, label=f"{name} (γ chosen, at most x){suffix}")
@@ -304,6 +316,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the prompts this many times, every row in turn each time (times summed): "
                              "on a noisy machine, one batch of 16 prompts per row varies by 10 %% run to run")
+    parser.add_argument("--memory-efficient", action="store_true",
+                        help="also rows at T > 0 with dynamic width carrying one beam between iterations "
+                             "(memory_efficient, n 1), against the same in-engine beam sampling")
     parser.add_argument("--auto", action="store_true",
                         help="also rows with auto_depth (γ chosen per iteration, at most --auto-max)")
     parser.add_argument("--auto-max", type=int, default=None, help="γmax of the auto rows (default: the largest γ)")

@@ -325,3 +325,18 @@ def test_lossless_compare_reports_where_and_by_how_much_the_best_beams_differ():
     unscored = compare(["b"], [out([[1, 2, 3]], [None])], [out([[1, 2]], [None])])["differences"][0]
     assert (unscored["first_difference_at"], unscored["score_difference"]) == (2, None)
     assert unscored["dsbd_best_is_an_in_engine_beam"] is False
+
+
+def test_bench_dsbd_rows_memory_efficient_only_at_t_above_zero_when_asked():
+    """``bench_dsbd --memory-efficient`` adds a memory-efficient row per γ (and auto) and in-step mode at T > 0;
+    T 0 (beam search, compared token for token) never gets one."""
+    from benchmarks.bench_dsbd import _rows
+
+    names = lambda rows: [(r[0], r[1], r[4]) for r in rows]  # noqa: E731
+    plain = _rows([0, 1, 2], 1.0, 2, [False, True], [None])
+    wide = _rows([0, 1, 2], 1.0, 2, [False, True], [None], memory_efficient=True)
+    extra = [r for r in wide if r not in plain]
+    assert names(extra) == [(f"dsbd-{a}memory-efficient", g, mode) for a, g in (("", 1), ("", 2), ("auto-", 2))
+                            for mode in (False, True)]
+    assert all(r[2] == "memory-efficient" for r in extra)
+    assert _rows([0, 1], 0.0, 0, [False], [None], memory_efficient=True) == _rows([0, 1], 0.0, 0, [False], [None])
