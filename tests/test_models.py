@@ -51,6 +51,37 @@ def test_failed_build_leaves_no_directory(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def _slow_build(root: str) -> None:
+    """Runs in a child process: builds model ``m`` under ``root``, counting builds in ``root/builds``."""
+    import time
+    from pathlib import Path
+
+    def build(out):
+        with open(Path(root) / "builds", "a") as f:
+            f.write("x")
+        time.sleep(1.0)
+        (out / "config.json").write_text("{}")
+
+    models._build_atomically(Path(root) / "m", {"k": 1}, build)
+    assert models.is_complete(Path(root) / "m", {"k": 1})
+
+
+def test_two_processes_wanting_one_model_build_it_once(tmp_path):
+    """Two test workers (or the demo beside the tests) asking for the same model at once: one builds, the other
+    waits and finds it complete (without the lock both build, and one replaces the other's directory)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_slow_build, args=(str(tmp_path),)) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert (tmp_path / "builds").read_text() == "x"
+    assert models.is_complete(tmp_path / "m", {"k": 1})
+
+
 def test_missing_gguf_package_gives_install_hint(monkeypatch, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(

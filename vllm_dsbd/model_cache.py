@@ -10,6 +10,8 @@ Used by :mod:`vllm_dsbd.models`, :mod:`vllm_dsbd.pairs` and the default draft
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -69,19 +71,37 @@ def is_complete(model_dir: Path, source: dict | None = None, *, checksums: bool 
 
 
 def build_atomically(final_dir: Path, source: dict, build) -> Path:
-    """Run ``build(tmp_dir)``, write the manifest, then rename into place."""
+    """Run ``build(tmp_dir)``, write the manifest, then rename into place. One process builds a model at a
+    time (:func:`_build_lock`): another that wants the same one (two test workers, the demo beside the
+    tests) waits, then finds it complete instead of replacing it while it is being read."""
     if is_complete(final_dir, source):
         return final_dir
     final_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.", dir=final_dir.parent))
-    try:
-        build(tmp)
-        write_manifest(tmp, source)
-        if final_dir.exists():
-            shutil.rmtree(final_dir)  # incomplete or stale
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        os.replace(tmp, final_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with _build_lock(final_dir):
+        if is_complete(final_dir, source):  # built meanwhile
+            return final_dir
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.", dir=final_dir.parent))
+        try:
+            build(tmp)
+            write_manifest(tmp, source)
+            if final_dir.exists():
+                shutil.rmtree(final_dir)  # incomplete or stale
+            tmp.chmod(0o755)  # mkdtemp makes it private
+            os.replace(tmp, final_dir)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return final_dir
+
+
+@contextlib.contextmanager
+def _build_lock(final_dir: Path):
+    """An exclusive ``flock`` for building ``final_dir``, on a file in the temp directory named by the path's
+    hash (not beside the model: the cache holds models only), released on exit. Lock files are never removed
+    (removing one another process waits on would let a third lock a new file)."""
+    key = hashlib.sha256(str(final_dir.resolve()).encode()).hexdigest()[:24]
+    locks = Path(tempfile.gettempdir()) / "vllm-dsbd-locks"
+    locks.mkdir(mode=0o1777, exist_ok=True)
+    with open(locks / f"{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
