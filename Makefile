@@ -19,10 +19,10 @@ demo: models
 	@$(PY) -m vllm_dsbd.cli demo
 
 test: models
-	@bash scripts/pytest.sh tests -m "not qwen" --durations=15
+	@bash scripts/test.sh
 
 test-unit: setup
-	@bash scripts/pytest.sh tests -m "not engine and not qwen"
+	@bash scripts/pytest.sh tests -m "not engine and not qwen" -n 2
 
 test-engine: models
 	@bash scripts/pytest.sh tests -m "engine and not qwen"
