@@ -193,7 +193,8 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft,
             extra["memory_efficient"] = True
         if args.draft_in_step != "off":  # the engine drafts in the verify step unless the request turns it off
             extra["draft_in_step"] = in_step_row
-        params = SamplingParams(n=1 if width == "memory-efficient" else args.width, temperature=temperature, seed=args.seed, max_tokens=max_tokens,
+        n = 1 if width == "memory-efficient" else args.width  # one sequence out when one beam is carried
+        params = SamplingParams(n=n, temperature=temperature, seed=args.seed, max_tokens=max_tokens,
                                 ignore_eos=True, extra_args=extra)
         return llm.generate(batch, params, use_tqdm=False)
 

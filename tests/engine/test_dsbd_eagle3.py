@@ -217,11 +217,10 @@ def test_memory_efficient_drafting_inside_the_verify_step_draws_what_draft_steps
     llm = permutation_in_step_llm
 
     def run(seed: int, **extra):
-        before, accepted = _steps(llm), engine_metric(llm, "vllm:spec_decode_num_accepted_tokens")
+        accepted = engine_metric(llm, "vllm:spec_decode_num_accepted_tokens")
         params = [_beams(1, 2, 16, temperature=2.0, seed=seed + i, ignore_eos=True,
                          extra={"beam_width": 4, "memory_efficient": True, **extra}) for i in range(len(PROMPTS))]
-        outs = llm.generate(PROMPTS, params, use_tqdm=False)
-        drafts = _steps(llm).get("draft", 0) - before.get("draft", 0)
+        outs, drafts = _generate_counting_draft_steps(llm, PROMPTS, params)
         return ([list(o.outputs[0].token_ids) for o in outs], drafts,
                 engine_metric(llm, "vllm:spec_decode_num_accepted_tokens") - accepted)
 
@@ -359,6 +358,13 @@ def _steps(llm) -> dict[str, int]:
     return {kind: int(p["steps"]) for kind, p in llm.collective_rpc("dsbd_step_profile")[0].items()}
 
 
+def _generate_counting_draft_steps(llm, prompts, params) -> tuple[list, int]:
+    """``llm.generate``'s outputs and the draft steps the engine took for them."""
+    before = _steps(llm)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return outs, _steps(llm).get("draft", 0) - before.get("draft", 0)
+
+
 def test_only_a_requests_first_iteration_takes_draft_steps_when_drafting_inside_the_verify_step(in_step_llm):
     """Every later forest is drawn in the verify step before it: at most γ draft steps per request. A request
     that turns the knob off drafts in draft steps (γ per iteration, 4 iterations or more), to the same beams
@@ -450,10 +456,8 @@ def test_mjsd_drafts_inside_the_verify_step(in_step_llm, tiny_eos_llm):
                               extra_args=knobs)
 
     def run(params):
-        before = _steps(in_step_llm)
-        outs = in_step_llm.generate(PROMPTS, params, use_tqdm=False)
-        after = _steps(in_step_llm)
-        return [list(o.outputs[0].token_ids) for o in outs], after.get("draft", 0) - before.get("draft", 0)
+        outs, drafts = _generate_counting_draft_steps(in_step_llm, PROMPTS, params)
+        return [list(o.outputs[0].token_ids) for o in outs], drafts
 
     greedy = tiny_eos_llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     got, drafts = run(mjsd(0.0))
@@ -495,10 +499,8 @@ def test_memory_efficient_requests_draft_inside_the_verify_step(in_step_llm):
                       extra={"beam_width": 4, "memory_efficient": True, "width_threshold": 0.9, **extra})
 
     def run(params):
-        before = _steps(in_step_llm)
-        outs = in_step_llm.generate(PROMPTS, params, use_tqdm=False)
-        after = _steps(in_step_llm)
-        return [[list(c.token_ids) for c in o.outputs] for o in outs], after.get("draft", 0) - before.get("draft", 0)
+        outs, drafts = _generate_counting_draft_steps(in_step_llm, PROMPTS, params)
+        return [[list(c.token_ids) for c in o.outputs] for o in outs], drafts
 
     for temperature in (0.0, 1.0):
         got, drafts = run([me(temperature, 3 + i) for i in range(len(PROMPTS))])
