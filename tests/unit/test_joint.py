@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 from exact_dist import restrict  # tests/unit/exact_dist.py: the reference enumeration
 
 from vllm_dsbd.algorithm import (
+    PROB_FLOOR,
     beam_search_score,
     joint_probs,
+    probs_from_logprobs_,
     restrict_joint,
     sample_from_uniforms,
     sample_joint,
@@ -34,6 +36,44 @@ def test_joint_ignores_invalid_beams_and_empty_groups():
     token_lp = torch.tensor([[[0.2, 0.8], [float("nan"), 0.0]], [[0.5, 0.5], [0.5, 0.5]]]).log()
     probs = joint_probs(scores, torch.tensor([[True, False], [False, False]]), token_lp)
     torch.testing.assert_close(probs, torch.tensor([[0.2, 0.8, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+
+
+SMALLEST_NORMAL = torch.finfo(torch.float32).tiny
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.floats(-200.0, 5.0, width=32), st.just(float("-inf"))), min_size=1, max_size=64))
+def test_probabilities_are_exp_above_the_floor_and_zero_below(values):
+    """``probs_from_logprobs_`` is ``exp`` wherever that exceeds ``PROB_FLOOR`` (a normal float32 number), and 0
+    elsewhere (-inf included): it never returns a subnormal number, which x86 CPUs compute 20-200 times slower."""
+    logp = torch.tensor(values, dtype=torch.float32)
+    plain = logp.exp()
+    probs = probs_from_logprobs_(logp.clone())
+    above = plain > PROB_FLOOR
+    assert torch.equal(probs[above], plain[above])
+    assert bool((probs[~above] == 0).all())
+    assert not bool(((probs > 0) & (probs < SMALLEST_NORMAL)).any())
+    assert PROB_FLOOR >= SMALLEST_NORMAL
+
+
+def test_joint_has_no_subnormal_mass():
+    """A peaked joint whose tail lies far below float32's normal range: its tail is 0, the rest as ``exp``."""
+    token_lp = torch.log_softmax(torch.linspace(0.0, 300.0, 1000), -1).reshape(1, 2, 500)
+    scores = torch.tensor([[0.0, -10.0]], dtype=torch.float64)
+    probs = joint_probs(scores, torch.tensor([[True, True]]), token_lp)
+    plain = (torch.log_softmax(scores, -1).float()[:, :, None] + token_lp).exp().flatten(1)
+    assert bool(((plain > 0) & (plain < SMALLEST_NORMAL)).any())  # the case exists
+    assert not bool(((probs > 0) & (probs < SMALLEST_NORMAL)).any())
+    kept = plain > PROB_FLOOR
+    assert torch.equal(probs[kept], plain[kept])
+    assert float(plain[~kept].double().sum()) < 1e-35
+
+
+def test_temperature_one_is_the_plain_log_softmax():
+    """At T = 1 the tempered log-probs skip the division, bit for bit what dividing by 1 gives."""
+    logits = torch.randn(3, 97, generator=torch.Generator().manual_seed(0)).bfloat16()
+    assert torch.equal(tempered_logprobs(logits, 1.0), torch.log_softmax(logits.float() / 1.0, dim=-1))
+    assert torch.equal(tempered_logprobs(logits, 1), torch.log_softmax(logits.float() / 1.0, dim=-1))
 
 
 def test_joint_is_float32_for_bf16_logits():

@@ -31,6 +31,7 @@ from vllm_dsbd.algorithm.forest import (
     root_to_leaf_paths,
 )
 from vllm_dsbd.algorithm.joint import (
+    PROB_FLOOR,
     BeamSearchStep,
     Generators,
     beam_search_score,
@@ -39,6 +40,7 @@ from vllm_dsbd.algorithm.joint import (
     token_finishes,
     joint_logprobs,
     joint_probs,
+    probs_from_logprobs_,
     restrict_joint,
     sample_from_uniforms,
     sample_joint,
@@ -67,6 +69,7 @@ from vllm_dsbd.algorithm.verify import (
 from vllm_dsbd.algorithm.verify_greedy import GreedyForestVerification, verify_forest_greedy
 
 __all__ = [
+    "PROB_FLOOR",
     "BeamSearchStep",
     "DecodeParams",
     "DecodeResult",
@@ -92,6 +95,7 @@ __all__ = [
     "gather_node_rows",
     "joint_logprobs",
     "joint_probs",
+    "probs_from_logprobs_",
     "residual_ladder",
     "restrict_joint",
     "restrict_to_parents",

@@ -18,6 +18,10 @@ renormalise. Decisions:
   ``top_p >= 1`` mean "off".
 - All maths is float32 (scores may be float64; they enter as differences
   ``S_b - logsumexp(S)``), whatever dtype the logits arrive in.
+- A joint probability below ``exp(-87)`` (about 1.6e-38, float32's smallest
+  normal numbers) is 0 (:func:`probs_from_logprobs_`): no draw can land on
+  such mass (uniforms are multiples of 2^-24), and on x86 CPUs computing it,
+  and every later pass over a tensor holding it, is 10-100 times slower.
 - Sampling is by inverse CDF (float64 cumulative sum) from uniforms drawn
   with an explicit generator: either one ``torch.Generator`` for the batch or
   one per group (so a group's draws depend only on its own generator, which
@@ -34,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 Generators = torch.Generator | Sequence[torch.Generator]
@@ -50,6 +55,8 @@ def tempered_logprobs(logits: Tensor, temperature: float | Tensor) -> Tensor:
     temperature: ``T > 0``; a float or a tensor broadcastable to ``logits[..., :1]``.
     Returns [..., V] float32.
     """
+    if isinstance(temperature, (int, float)) and temperature == 1:  # x / 1 is x: a pass over the logits saved
+        return torch.log_softmax(logits.float(), dim=-1)
     return torch.log_softmax(logits.float() / temperature, dim=-1)
 
 
@@ -68,7 +75,10 @@ def joint_logprobs(beam_scores: Tensor, beam_valid: Tensor, token_logprobs: Tens
     norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
     beam_logp = (scores - norm).float()  # [G, B]
     joint = beam_logp[:, :, None] + token_logprobs.float()
-    return joint.masked_fill_(~beam_valid[:, :, None], float("-inf")).flatten(1)
+    invalid = ~beam_valid
+    if bool(invalid.any()):  # only those rows: a masked fill would pass over all of them
+        joint[invalid] = float("-inf")
+    return joint.flatten(1)
 
 
 def restrict_joint(joint: Tensor, top_k: Tensor | None = None, top_p: Tensor | None = None) -> Tensor:
@@ -186,6 +196,24 @@ def _restrict_in_shortlist(joint: Tensor, k: Tensor, p: Tensor | None, restricte
     return out
 
 
+LOG_PROB_FLOOR = -87.0
+"""Log-probabilities at or below this give probability 0 in :func:`probs_from_logprobs_`."""
+PROB_FLOOR = float(torch.tensor(LOG_PROB_FLOOR).exp())
+"""``exp(LOG_PROB_FLOOR)`` in float32 (a normal number, about 1.6e-38)."""
+
+
+def probs_from_logprobs_(logp: Tensor) -> Tensor:
+    """``exp(logp)`` in place, 0 wherever that is at most ``PROB_FLOOR`` (``-inf`` included).
+
+    On x86 CPUs ``exp`` of ``-inf`` or of anything whose result is subnormal is 20-200 times slower than
+    that of other inputs, and every later op that reads subnormal numbers is slowed alike (microcode
+    assists); a joint over W x V pairs holds many. So the inputs are clamped to ``LOG_PROB_FLOOR`` before
+    ``exp`` and the clamped entries zeroed after: no subnormal is ever computed. The mass set to 0 is below
+    ``V * PROB_FLOOR``, far under float32's resolution of the rows' sums.
+    """
+    return F.threshold(logp.clamp_(min=LOG_PROB_FLOOR).exp_(), PROB_FLOOR, 0.0, inplace=True)
+
+
 def joint_probs(
     beam_scores: Tensor,
     beam_valid: Tensor,
@@ -199,7 +227,7 @@ def joint_probs(
     Returns [G, B*V] float32, rows summing to 1 (0 for groups with no valid beam).
     """
     # in place: restrict_joint returns a new tensor or joint_logprobs' own
-    return restrict_joint(joint_logprobs(beam_scores, beam_valid, token_logprobs), top_k, top_p).exp_()
+    return probs_from_logprobs_(restrict_joint(joint_logprobs(beam_scores, beam_valid, token_logprobs), top_k, top_p))
 
 
 def uniforms(generator: Generators, num_groups: int, num: int, device: torch.device | str) -> Tensor:
