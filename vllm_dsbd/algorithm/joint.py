@@ -21,7 +21,7 @@ renormalise. Decisions:
 - A joint probability below ``exp(-87)`` (about 1.6e-38, float32's smallest
   normal numbers) is 0 (:func:`probs_from_logprobs_`): no draw can land on
   such mass (uniforms are multiples of 2^-24), and on x86 CPUs computing it,
-  and every later pass over a tensor holding it, is 10-100 times slower.
+  and every later pass over a tensor holding it, is 20-200 times slower.
 - Sampling is by inverse CDF (float64 cumulative sum) from uniforms drawn
   with an explicit generator: either one ``torch.Generator`` for the batch or
   one per group (so a group's draws depend only on its own generator, which
