@@ -53,6 +53,7 @@ from vllm_dsbd.algorithm.joint import (
     sample_joint,
     beam_search_step,
     joint_probs,
+    probs_from_logprobs_,
     restrict_joint,
     tempered_logprobs,
     token_finishes,
@@ -255,4 +256,4 @@ def _bonus(logits: Tensor, params: MJSDParams, generator: torch.Generator | None
     lp = token_logprobs(logits[None].float(), params.temperature, params.top_k, params.top_p)[0]
     if params.temperature == 0:
         return int(lp.argmax())
-    return int(sample_joint(lp.exp()[None], 1, generator)[0, 0])
+    return int(sample_joint(probs_from_logprobs_(lp)[None], 1, generator)[0, 0])  # lp is ours: in place

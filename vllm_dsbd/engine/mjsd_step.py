@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from vllm_dsbd.algorithm import sample_joint
+from vllm_dsbd.algorithm import probs_from_logprobs_, sample_joint
 from vllm_dsbd.algorithm.mjsd import accepted_length, log_tau, node_conditionals_at, token_logprobs
 from vllm_dsbd.engine.protocol import DraftStep, VerifyChoice, VerifyDecision, VerifyStep, layer_slot
 from vllm_dsbd.engine.spec_step import VERIFY_SALT, generator, node_completes, node_token_finishes, token_logprob
@@ -95,7 +95,8 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, drafts: Tensor,
         if vs.temperature == 0:
             bonus = int(target[passed].argmax())
         else:
-            bonus = int(sample_joint(target[passed].exp()[None], 1, generator(vs.seed, vs.step, VERIFY_SALT))[0, 0])
+            probs = probs_from_logprobs_(target[passed].clone())  # a copy: the choice reads target's row
+            bonus = int(sample_joint(probs[None], 1, generator(vs.seed, vs.step, VERIFY_SALT))[0, 0])
         last = choice(passed, bonus)
     finished = [last] if ends(passed, last.token) else []
     beams = [] if finished else [last]
