@@ -16,6 +16,15 @@ and memory bounded:
 - tests that start engines of their own beside the pool's (tensor
   parallelism, Ray, the server) ask for it ``alone`` or ``clear`` the pool.
 
+Engines start in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine
+core and its one worker run in the test process) unless the pool is told to
+start them as users run vLLM, in processes of their own (``processes``). On the
+2-core machine a start in processes of their own took 37-41 s and its shutdown
+5.6 s (an engine-core and a worker process, each importing torch and vLLM);
+in this process 3-6 s and 1.9 s (docs/testing.md). The server, the demo and
+the Ray Data example still run their engines in processes of their own, tensor
+parallelism its workers, and so do the engines named in ``processes``.
+
 Shutting down ends the engine core and its worker processes at once rather
 than leaving them to the garbage collector. Engine fixtures are
 function-scoped lookups: a test never holds an engine the pool has shut down.
@@ -23,12 +32,19 @@ function-scoped lookups: a test never holds an engine the pool has shut down.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
+import os
+import platform
+import sys
 import time
 from collections import Counter, OrderedDict
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 NEVER = float("inf")
+MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 # Engine test modules in the order they run, grouped by the engines they share; modules not
 # listed run first in collection order (the unit tests), and the ones that start engines of
@@ -50,18 +66,81 @@ MODULE_ORDER = [
 ]
 
 
+@contextmanager
+def engine_processes(own: bool) -> Iterator[None]:
+    """Engines started inside run their engine core (and its worker) in processes of their ``own``, or in
+    this one; the environment is restored afterwards. An engine core that starts in a process caches
+    vLLM's environment variables there (``vllm.envs.enable_envs_cache``: a later engine would take the
+    cached mode, whatever the environment says), so the cache is dropped before and after the start."""
+    previous = os.environ.get(MULTIPROCESSING)
+    os.environ[MULTIPROCESSING] = "1" if own else "0"
+    _drop_envs_cache()
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[MULTIPROCESSING]
+        else:
+            os.environ[MULTIPROCESSING] = previous
+        _drop_envs_cache()
+
+
+def _drop_envs_cache() -> None:
+    envs = sys.modules.get("vllm.envs")  # no cache where vLLM was never imported
+    if envs is not None:
+        envs.disable_envs_cache()
+
+
+# Engines alive in this process (their ids), from every pool.
+_IN_THIS_PROCESS: set[int] = set()
+
+
+def in_this_process(llm: Any) -> bool:
+    """Whether ``llm``'s engine core runs in this process (vLLM's ``InprocClient`` holds the core itself)."""
+    return hasattr(llm.llm_engine.engine_core, "engine_core")
+
+
 def shutdown(llm: Any) -> None:
-    """End ``llm``'s engine core (and with it its worker processes) now."""
-    llm.llm_engine.engine_core.shutdown()
+    """End ``llm``'s engine core (and with it its worker processes) now; in this process, without tearing
+    down the distributed state that other engines here still use (``_keeping_distributed_state``)."""
+    _IN_THIS_PROCESS.discard(id(llm))
+    if in_this_process(llm) and _IN_THIS_PROCESS:
+        with _keeping_distributed_state():
+            llm.llm_engine.engine_core.shutdown()
+    else:
+        llm.llm_engine.engine_core.shutdown()
+
+
+# --- the one test-only shim of vLLM here -------------------------------------------------------------------
+# Target: vllm.v1.engine.core.cleanup_dist_env_and_memory, as EngineCore.shutdown calls it (vLLM 0.32.0).
+# Why: an engine core in this process tears down vLLM's distributed state as it shuts down (its tensor- and
+#   pipeline-parallel groups and torch's process group: one of each per process), and another engine alive
+#   in this process then fails its next forward ("pipeline model parallel group is not initialized").
+# How: while other engines of this process are alive, a shutdown runs with that teardown replaced by nothing;
+#   the last one's shutdown tears down as vLLM does.
+# Remove when: vLLM keeps distributed state per engine, or the suite no longer runs engines side by side in
+#   one process.
+# Checked by: tests/test_engine_pool.py (EngineCore.shutdown still calls it) and
+#   tests/engine/test_foundation_engine.py (an engine outlives another's shutdown in this process).
+@contextmanager
+def _keeping_distributed_state() -> Iterator[None]:
+    from unittest import mock
+
+    from vllm.v1.engine import core
+
+    with mock.patch.object(core, "cleanup_dist_env_and_memory", lambda *args, **kwargs: None):
+        yield
 
 
 class EnginePool:
-    """Named engines, at most ``capacity`` alive; shut down when no later test needs them."""
+    """Named engines, at most ``capacity`` alive; shut down when no later test needs them. Those named in
+    ``processes`` start in processes of their own, the others in this process."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, processes: frozenset[str] = frozenset()):
         if capacity < 1:
             raise ValueError(f"EnginePool capacity must be >= 1, got {capacity}")
         self.capacity = capacity
+        self.processes = processes
         self._live: OrderedDict[str, Any] = OrderedDict()  # least recently used first
         self._plan: list[frozenset[str]] = []
         self._now = 0
@@ -87,7 +166,10 @@ class EnginePool:
         while len(self._live) > keep:
             self._evict([self._furthest()])
         began = time.monotonic()
-        llm = start()
+        with engine_processes(name in self.processes):
+            llm = start()
+        if in_this_process(llm):
+            _IN_THIS_PROCESS.add(id(llm))
         self.start_seconds += time.monotonic() - began
         self.starts[name] += 1
         self._live[name] = llm
@@ -121,3 +203,12 @@ class EnginePool:
             shutdown(self._live.pop(name))
         if names:
             gc.collect()
+            _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the kernel. A DSBD worker keeps freed memory in its process's heap
+    (``vllm_dsbd.engine.cpu_memory``): one in this process left about 0.9 GB of it there after its shutdown
+    (the default target with the shipped head), which this returns."""
+    if platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)

@@ -3,10 +3,11 @@ every engine test module has a place in the suite's order."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
-from engine_pool import MODULE_ORDER, EnginePool  # tests/engine_pool.py
+from engine_pool import MODULE_ORDER, MULTIPROCESSING, EnginePool  # tests/engine_pool.py
 
 
 class FakeCore:
@@ -61,6 +62,59 @@ def test_alone_and_clear_shut_every_other_engine_down():
     assert sorted(shut) == ["a", "b"] and pool.live() == ["big"]
     pool.clear()
     assert pool.live() == [] and shut[-1] == "big"
+
+
+def test_engines_start_in_this_process_unless_named_and_the_environment_is_restored(monkeypatch):
+    monkeypatch.setenv(MULTIPROCESSING, "user's value")
+    pool, seen = EnginePool(3, processes=frozenset({"own"})), {}
+
+    def start(name):
+        seen[name] = os.environ[MULTIPROCESSING]
+        if name == "broken":
+            raise RuntimeError("engine failed to start")
+        return FakeEngine([], name)
+
+    for name in ("own", "here"):
+        pool.get(name, lambda: start(name))
+    with pytest.raises(RuntimeError, match="failed to start"):
+        pool.get("broken", lambda: start("broken"))
+    assert seen == {"own": "1", "here": "0", "broken": "0"}
+    assert os.environ[MULTIPROCESSING] == "user's value"
+    monkeypatch.delenv(MULTIPROCESSING)
+    pool.get("later", lambda: start("later"))
+    assert MULTIPROCESSING not in os.environ
+
+
+def test_an_engine_takes_its_mode_though_an_engine_before_it_cached_vllms_environment(monkeypatch):
+    """An engine core that starts in this process caches vLLM's environment there: before the pool set
+    each engine's mode, every engine of the suite after the first one in this process started in this
+    process too, whatever the environment said."""
+    from vllm import envs
+
+    pool, seen = EnginePool(3, processes=frozenset({"own", "own too"})), {}
+
+    def start(name):
+        seen[name] = envs.VLLM_ENABLE_V1_MULTIPROCESSING
+        envs.enable_envs_cache()  # as EngineCore.__init__ does
+        return FakeEngine([], name)
+
+    monkeypatch.setenv(MULTIPROCESSING, "0")
+    envs.enable_envs_cache()  # an engine a test started in this process, outside the pool
+    try:
+        for name in ("own", "here", "own too"):
+            pool.get(name, lambda: start(name))
+    finally:
+        envs.disable_envs_cache()
+    assert seen == {"own": True, "here": False, "own too": True}
+
+
+def test_vllms_engine_core_still_tears_down_the_distributed_state_where_the_pool_keeps_it():
+    """The pool's shim (tests/engine_pool.py) replaces ``cleanup_dist_env_and_memory`` in vLLM's engine-core
+    module while other engines of the process are alive: EngineCore.shutdown must still call it by that name."""
+    from vllm.v1.engine import core
+
+    assert "cleanup_dist_env_and_memory" in core.EngineCore.shutdown.__code__.co_names
+    assert core.cleanup_dist_env_and_memory.__module__ == "vllm.distributed.parallel_state"
 
 
 def test_capacity_below_one_is_refused():

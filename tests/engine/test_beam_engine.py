@@ -9,8 +9,11 @@ candidates appear and finished hypotheses and the length penalty matter.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
+import psutil
 import pytest
 from beam_checks import (  # tests/engine/beam_checks.py
     EOS, PROMPTS, assert_distributed_as_beam_sampling, assert_kv_freed_after_finish_and_abort,
@@ -154,7 +157,27 @@ def test_beam_search_equals_vllm_builtin_on_smollm2(dsbd_target_llm, target_llm,
     assert not math.isnan(got[0].sequences[0].cum_logprob)
 
 
-def test_beam_groups_survive_kv_pressure_with_preemption(dsbd_tiny_llm, tiny_eos_target):
+def _is_descendant(pid: int, ancestor: int) -> bool:
+    try:
+        return any(p.pid == ancestor for p in psutil.Process(pid).parents())
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_register_ran_in_engine_core_and_worker_processes(dsbd_target_llm, register_trace):
+    """register() ran (version guard passed) inside the engine's own child processes (the pool starts
+    ``dsbd_target_llm`` in processes of its own, as users run vLLM: tests/conftest.py)."""
+    records = [json.loads(line) for line in register_trace.read_text().splitlines()]
+    children = [r for r in records if _is_descendant(r["pid"], os.getpid())]
+    names = {r["process"] for r in children}
+    assert "EngineCore" in names, records
+    assert any(n.startswith("VllmWorker") for n in names), records
+    # One registration per process: the entry point is idempotent.
+    pids = [r["pid"] for r in records]
+    assert len(pids) == len(set(pids))
+
+
+def test_beam_groups_survive_kv_pressure_with_preemption(engine_pool, dsbd_tiny_llm, tiny_eos_target):
     """A DSBD engine with room for ~48 KV blocks, beam groups mixed with plain requests: vLLM preempts
     (beams included), groups are preempted whole and recomputed, and every output equals the output
     of the same request on a roomy engine."""
@@ -162,19 +185,17 @@ def test_beam_groups_survive_kv_pressure_with_preemption(dsbd_tiny_llm, tiny_eos
 
     from vllm_dsbd.demo import beam_engine_kwargs
 
-    tight = LLM(**{**beam_engine_kwargs(str(tiny_eos_target), 8), "disable_log_stats": False, "max_model_len": 512,
-                   "kv_cache_memory_bytes": 48 * 32 * 512})  # 48 blocks of 32 tokens x 512 B
-    try:
-        jobs = []
-        for i in range(3):
-            for prompt in PROMPTS:
-                jobs.append((prompt, SamplingParams(n=2, temperature=0.0, max_tokens=60, ignore_eos=True,
-                                                    extra_args={"beam_width": 4})))
-            jobs += [(p, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)) for p in PROMPTS[:2]]
-        got = tight.generate([p for p, _ in jobs], [s for _, s in jobs], use_tqdm=False)
-        preemptions = engine_metric(tight, "vllm:num_preemptions")
-    finally:
-        tight.llm_engine.engine_core.shutdown()
+    tight = engine_pool.get("tight_kv_llm", lambda: LLM(**{  # shut down after this test
+        **beam_engine_kwargs(str(tiny_eos_target), 8), "disable_log_stats": False, "max_model_len": 512,
+        "kv_cache_memory_bytes": 48 * 32 * 512}))  # 48 blocks of 32 tokens x 512 B
+    jobs = []
+    for i in range(3):
+        for prompt in PROMPTS:
+            jobs.append((prompt, SamplingParams(n=2, temperature=0.0, max_tokens=60, ignore_eos=True,
+                                                extra_args={"beam_width": 4})))
+        jobs += [(p, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)) for p in PROMPTS[:2]]
+    got = tight.generate([p for p, _ in jobs], [s for _, s in jobs], use_tqdm=False)
+    preemptions = engine_metric(tight, "vllm:num_preemptions")
     want = dsbd_tiny_llm.generate([p for p, _ in jobs], [s for _, s in jobs], use_tqdm=False)
     assert preemptions > 0, "the test did not put the KV cache under pressure"
     for g, w in zip(got, want):

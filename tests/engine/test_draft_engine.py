@@ -79,7 +79,7 @@ def test_draft_agreement_stays_above_floor_on_three_prompts(target_llm, hf_targe
     assert result["greedy_agreement"] >= GREEDY_FLOOR, result
 
 
-def test_default_draft_is_greedy_exact_under_vllm_draft_model(target_llm):
+def test_default_draft_is_greedy_exact_under_vllm_draft_model(engine_pool, target_llm):
     """vLLM speculative decoding with the default draft returns the target's own greedy tokens."""
     from vllm import LLM, SamplingParams
 
@@ -93,12 +93,9 @@ def test_default_draft_is_greedy_exact_under_vllm_draft_model(target_llm):
     kwargs = engine_kwargs(str(pair.target))
     kwargs["speculative_config"] = {"method": "draft_model", "model": str(pair.draft), "num_speculative_tokens": 3}
     kwargs["disable_log_stats"] = False
-    spec_llm = LLM(**kwargs)
-    try:
-        spec = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params)]
-        metrics = {m.name: m for m in spec_llm.get_metrics()}
-    finally:
-        spec_llm.llm_engine.engine_core.shutdown()
+    spec_llm = engine_pool.get("default_draft_model_llm", lambda: LLM(**kwargs))  # shut down after this test
+    spec = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params)]
+    metrics = {m.name: m for m in spec_llm.get_metrics()}
     assert spec == plain
     accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
     assert accepted > 0, "the draft never agreed with the target"

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-
-import psutil
 import pytest
 
 pytestmark = pytest.mark.engine
@@ -18,23 +14,28 @@ def test_default_target_answers_paris_greedily(target_llm):
     assert "Paris" in out[0].outputs[0].text
 
 
-def _is_descendant(pid: int, ancestor: int) -> bool:
-    try:
-        return any(p.pid == ancestor for p in psutil.Process(pid).parents())
-    except psutil.NoSuchProcess:
-        return False
+def test_an_engine_in_this_process_outlives_the_shutdown_of_another_here(tiny_pair):
+    """The suite's pool starts engines in the test process, side by side (tests/engine_pool.py): one's shutdown
+    leaves the distributed state the others use, and the last one's tears it down as vLLM does."""
+    import torch.distributed
+    from engine_pool import _IN_THIS_PROCESS, EnginePool, in_this_process  # tests/engine_pool.py
+    from vllm import LLM, SamplingParams
 
+    from vllm_dsbd.demo import engine_kwargs
 
-def test_register_ran_in_engine_core_and_worker_processes(target_llm, register_trace):
-    """register() ran (version guard passed) inside the engine's own child processes."""
-    records = [json.loads(line) for line in register_trace.read_text().splitlines()]
-    children = [r for r in records if _is_descendant(r["pid"], os.getpid())]
-    names = {r["process"] for r in children}
-    assert "EngineCore" in names, records
-    assert any(n.startswith("VllmWorker") for n in names), records
-    # One registration per process: the entry point is idempotent.
-    pids = [r["pid"] for r in records]
-    assert len(pids) == len(set(pids))
+    kwargs = {**engine_kwargs(str(tiny_pair.target)), "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20}
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    pool = EnginePool(2)
+    pool.plan([{"first", "second"}, {"second"}])
+    pool.at(0)
+    first, second = (pool.get(name, lambda: LLM(**kwargs)) for name in ("first", "second"))
+    assert in_this_process(first) and in_this_process(second)
+    want = first.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].token_ids
+    pool.at(1)  # the first is not needed again: it shuts down, and no engine starts after it
+    assert pool.live() == ["second"]
+    assert second.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    pool.clear()  # the suite's pool may still hold engines here: then the state stays, else it is gone
+    assert torch.distributed.is_initialized() == bool(_IN_THIS_PROCESS)
 
 
 def test_tiny_target_generates_to_max_tokens(tiny_llm):
@@ -47,7 +48,7 @@ def test_tiny_target_generates_to_max_tokens(tiny_llm):
         assert all(-50.0 < next(iter(lp.values())).logprob <= 0.0 for lp in o.outputs[0].logprobs)
 
 
-def test_tiny_draft_serves_as_vllm_draft_model(tiny_pair, tiny_llm):
+def test_tiny_draft_serves_as_vllm_draft_model(engine_pool, tiny_pair, tiny_llm):
     """The tiny pair shares a vocabulary: vLLM's draft_model method runs it and stays greedy-exact."""
     from vllm import LLM, SamplingParams
 
@@ -62,9 +63,6 @@ def test_tiny_draft_serves_as_vllm_draft_model(tiny_pair, tiny_llm):
         kv_cache_memory_bytes=256 << 20,
         speculative_config={"method": "draft_model", "model": str(tiny_pair.draft), "num_speculative_tokens": 2},
     )
-    spec_llm = LLM(**kwargs)
-    try:
-        spec = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params)]
-    finally:
-        spec_llm.llm_engine.engine_core.shutdown()
+    spec_llm = engine_pool.get("tiny_draft_model_llm", lambda: LLM(**kwargs))  # shut down after this test
+    spec = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params)]
     assert spec == plain
