@@ -67,22 +67,33 @@ MODULE_ORDER = [
 
 
 @contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set in this process's environment (an engine's processes read theirs at start), the previous
+    values restored afterwards."""
+    previous = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
+
+
+@contextmanager
 def engine_processes(own: bool) -> Iterator[None]:
     """Engines started inside run their engine core (and its worker) in processes of their ``own``, or in
     this one; the environment is restored afterwards. An engine core that starts in a process caches
     vLLM's environment variables there (``vllm.envs.enable_envs_cache``: a later engine would take the
     cached mode, whatever the environment says), so the cache is dropped before and after the start."""
-    previous = os.environ.get(MULTIPROCESSING)
-    os.environ[MULTIPROCESSING] = "1" if own else "0"
-    _drop_envs_cache()
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[MULTIPROCESSING]
-        else:
-            os.environ[MULTIPROCESSING] = previous
+    with environment({MULTIPROCESSING: "1" if own else "0"}):
         _drop_envs_cache()
+        try:
+            yield
+        finally:
+            _drop_envs_cache()
 
 
 def _drop_envs_cache() -> None:

@@ -57,24 +57,15 @@ def start_spec_llm(model, draft, env: dict[str, str], gamma: int = 3, knobs: dic
     """A speculative DSBD engine on the tiny models (γ <= ``gamma``, W <= 8, stats on, engine-wide DSBD
     ``knobs``) started with ``env`` set (the engine's processes read it at start), the environment restored
     afterwards."""
-    import os
-
+    from engine_pool import environment  # tests/engine_pool.py
     from vllm import LLM
 
     from vllm_dsbd.demo import dsbd_engine_kwargs
 
-    previous = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with environment(env):
         return LLM(**{**dsbd_engine_kwargs(str(model), str(draft), gamma, 8, **(knobs or {})),
                       "disable_log_stats": False,
                       "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20, **overrides})
-    finally:
-        for k, v in previous.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
 
 
 def beam_search(llm, prompts, width, max_tokens, length_penalty=1.0):
