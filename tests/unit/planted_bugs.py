@@ -13,9 +13,9 @@ def _no_residual(current, restricted_draft, out):
     return (current - restricted_draft).clamp_min(0).sum(-1)
 
 
-def _no_reset(rejections, accepted, rejected):
+def _no_reset(rejections, accepted):
     """Bug: after an acceptance the next slot starts from the current residual, not from P."""
-    return torch.where(rejected, rejections + 1, rejections)
+    return rejections if accepted else rejections + 1
 
 
 def _renormalised_restriction(draft_joint, parent_valid):

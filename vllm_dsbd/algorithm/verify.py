@@ -125,9 +125,9 @@ def _fill_ladder(ladder: Tensor, levels: int, upto: int, target: Tensor, restric
     return levels
 
 
-def _next_rejections(rejections: Tensor, accepted: Tensor, rejected: Tensor) -> Tensor:
-    """Rejections since the last acceptance: 0 after an acceptance (R <- P), +1 after a rejection. [G]."""
-    return torch.where(accepted, 0, torch.where(rejected, rejections + 1, rejections))
+def _next_rejections(rejections: int, accepted: bool) -> int:
+    """Rejections since the last acceptance, after one more draft: 0 after an acceptance (R <- P), else +1."""
+    return 0 if accepted else rejections + 1
 
 
 NodeFinishes = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -236,26 +236,45 @@ def verify_layer(
     levels = _fill_ladder(ladder, ladder_levels, 0, target, restricted)
     u = uniforms(generator, num_groups, num_drafts + num_out, device)
 
-    groups = torch.arange(num_groups, device=device)
-    rejections = torch.zeros(num_groups, dtype=torch.long, device=device)  # current R = ladder[rejections]
-    count = torch.zeros(num_groups, dtype=torch.long, device=device)
-    accepted = torch.zeros((num_groups, num_drafts), dtype=torch.bool, device=device)
-    out_index = torch.zeros((num_groups, num_drafts), dtype=torch.long, device=device)
-    out_draft = torch.full((num_groups, num_drafts), -1, dtype=torch.long, device=device)
-    draft_parent_valid = parent_valid.gather(1, draft_index // vocab) & draft_exists
-    for j in range(num_drafts):
-        live = count < width
-        x = draft_index[:, j]
-        levels = _fill_ladder(ladder, levels, int(rejections.max()), target, restricted)
-        r = ladder[rejections, groups, x]
-        q = restricted[groups, x]
-        acc = live & draft_parent_valid[:, j] & (q > 0) & (u[:, j] * q < r)
-        slot = count.clamp(max=num_drafts - 1)[:, None]
-        out_index.scatter_(1, slot, torch.where(acc[:, None], x[:, None], out_index.gather(1, slot)))
-        out_draft.scatter_(1, slot, torch.where(acc[:, None], j, out_draft.gather(1, slot)))
-        accepted[:, j] = acc
-        count = count + acc
-        rejections = _next_rejections(rejections, acc, live & ~acc)
+    # The chains run on Python numbers: each draft's u * Q'(x) (a float32 product, as the rule compares it),
+    # and R_r(x) of ladder level r, gathered the first time a chain reaches level r. Python floats hold
+    # float32 values exactly, so every comparison is the float32 one.
+    q = restricted.gather(1, draft_index)
+    scaled = (u[:, :num_drafts] * q).tolist()
+    can_accept = (parent_valid.gather(1, draft_index // vocab) & draft_exists & (q > 0)).tolist()
+    at_drafts: list[list[list[float]]] = []  # at_drafts[r][g][j] = R_r(draft j of group g)
+
+    def residual_at_drafts(r: int) -> list[list[float]]:
+        nonlocal levels
+        while len(at_drafts) <= r:
+            levels = _fill_ladder(ladder, levels, len(at_drafts), target, restricted)
+            at_drafts.append(ladder[len(at_drafts)].gather(1, draft_index).tolist())
+        return at_drafts[r]
+
+    drafts, widths = draft_index.tolist(), width.tolist()
+    accepted_rows, index_rows, draft_rows = [], [], []
+    counts, rejection_counts = [], []
+    for g in range(num_groups):
+        accepted_g, index_g, draft_g = [False] * num_drafts, [0] * num_drafts, [-1] * num_drafts
+        count = rejections = 0  # the current R is ladder level `rejections`
+        for j in range(num_drafts):
+            if count >= widths[g]:
+                break
+            acc = can_accept[g][j] and scaled[g][j] < residual_at_drafts(rejections)[g][j]
+            if acc:
+                accepted_g[j], index_g[count], draft_g[count] = True, drafts[g][j], j
+                count += 1
+            rejections = _next_rejections(rejections, acc)
+        accepted_rows.append(accepted_g)
+        index_rows.append(index_g)
+        draft_rows.append(draft_g)
+        counts.append(count)
+        rejection_counts.append(rejections)
+    accepted = torch.tensor(accepted_rows, dtype=torch.bool, device=device).reshape(num_groups, num_drafts)
+    out_index = torch.tensor(index_rows, dtype=torch.long, device=device).reshape(num_groups, num_drafts)
+    out_draft = torch.tensor(draft_rows, dtype=torch.long, device=device).reshape(num_groups, num_drafts)
+    count = torch.tensor(counts, dtype=torch.long, device=device)
+    rejections = torch.tensor(rejection_counts, dtype=torch.long, device=device)
 
     passed = count >= width
     if bool(passed.all()):
