@@ -252,29 +252,14 @@ def verify_layer(
         return at_drafts[r]
 
     drafts, widths = draft_index.tolist(), width.tolist()
-    accepted_rows, index_rows, draft_rows = [], [], []
-    counts, rejection_counts = [], []
-    for g in range(num_groups):
-        accepted_g, index_g, draft_g = [False] * num_drafts, [0] * num_drafts, [-1] * num_drafts
-        count = rejections = 0  # the current R is ladder level `rejections`
-        for j in range(num_drafts):
-            if count >= widths[g]:
-                break
-            acc = can_accept[g][j] and scaled[g][j] < residual_at_drafts(rejections)[g][j]
-            if acc:
-                accepted_g[j], index_g[count], draft_g[count] = True, drafts[g][j], j
-                count += 1
-            rejections = _next_rejections(rejections, acc)
-        accepted_rows.append(accepted_g)
-        index_rows.append(index_g)
-        draft_rows.append(draft_g)
-        counts.append(count)
-        rejection_counts.append(rejections)
-    accepted = torch.tensor(accepted_rows, dtype=torch.bool, device=device).reshape(num_groups, num_drafts)
-    out_index = torch.tensor(index_rows, dtype=torch.long, device=device).reshape(num_groups, num_drafts)
-    out_draft = torch.tensor(draft_rows, dtype=torch.long, device=device).reshape(num_groups, num_drafts)
-    count = torch.tensor(counts, dtype=torch.long, device=device)
-    rejections = torch.tensor(rejection_counts, dtype=torch.long, device=device)
+    chains = [_chain(g, can_accept[g], scaled[g], drafts[g], widths[g], residual_at_drafts) for g in range(num_groups)]
+
+    def column(k: int, dtype: torch.dtype) -> Tensor:
+        return torch.tensor([chain[k] for chain in chains], dtype=dtype, device=device)
+
+    accepted, out_index, out_draft = (column(k, dtype).reshape(num_groups, num_drafts)
+                                      for k, dtype in enumerate((torch.bool, torch.long, torch.long)))
+    count, rejections = column(3, torch.long), column(4, torch.long)
 
     passed = count >= width
     if bool(passed.all()):
@@ -295,6 +280,26 @@ def verify_layer(
     out_draft[failed, :num_out] = torch.where(earlier, out_draft[failed, :num_out], -1)
     out_count = torch.where(passed, width, num_out)
     return LayerVerification(accepted, passed, out_index, out_draft, out_count)
+
+
+def _chain(group: int, can_accept: list[bool], scaled: list[float], drafts: list[int], width: int,
+           residual_at_drafts: Callable[[int], list[list[float]]]) -> tuple[list, list, list, int, int]:
+    """One group's slots over its drafts in draw order (the module docstring): draft j is accepted when it
+    may be (``can_accept``) and ``u_j Q'(x_j)`` (``scaled``) is below ``R_r(x_j)``, r the rejections since the
+    last acceptance; the chain stops after ``width`` acceptances. Returns (accepted per draft, the accepted
+    pair indices and draft numbers in slot order, padded with 0 and -1, the acceptances, the final r)."""
+    num_drafts = len(drafts)
+    accepted, index, draft = [False] * num_drafts, [0] * num_drafts, [-1] * num_drafts
+    count = rejections = 0
+    for j in range(num_drafts):
+        if count >= width:
+            break
+        acc = can_accept[j] and scaled[j] < residual_at_drafts(rejections)[group][j]
+        if acc:
+            accepted[j], index[count], draft[count] = True, drafts[j], j
+            count += 1
+        rejections = _next_rejections(rejections, acc)
+    return accepted, index, draft, count, rejections
 
 
 def _rows(values: Tensor, rows: Tensor) -> Tensor:
