@@ -217,26 +217,27 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
             vs.eos_token_id, ignore_eos, vs.stop_token_ids, node_finishes,
         )
         passed = int(res.num_passed[0])
+        node_accepted, node_scores = res.accepted[0].tolist(), res.node_scores[0].tolist()  # [layers][W]
         beams, finished, widths = [], [], []
         for layer in range(passed):  # accepted EOS drafts of passed layers are finished hypotheses
             live = 0
             for slot in range(width):
-                if not res.accepted[0, layer, slot]:
+                if not node_accepted[layer][slot]:
                     continue
-                parent_node = node_id(layer, int(parents[0, layer, slot]), width)
-                if ends(parent_node, int(tokens[0, layer, slot])):
-                    finished.append(choice(parent_node, int(tokens[0, layer, slot]),
-                                           float(res.node_scores[0, layer, slot])))
+                parent_node = node_id(layer, vs.draft_parents[layer][slot], width)
+                token = vs.draft_tokens[layer][slot]
+                if ends(parent_node, token):
+                    finished.append(choice(parent_node, token, node_scores[layer][slot]))
                 else:
                     live += 1
             widths.append(live)
-        for s in range(int(res.out_count[0])):
-            c = choice(node_id(passed, int(res.out_parent[0, s]), width), int(res.out_token[0, s]),
-                       float(res.out_score[0, s]))
+        out = zip(res.out_parent[0].tolist(), res.out_token[0].tolist(), res.out_score[0].tolist())
+        for parent, token, score in list(out)[:int(res.out_count[0])]:
+            c = choice(node_id(passed, parent, width), token, score)
             (finished if ends(c.parent, c.token) else beams).append(c)
         widths.append(len(beams))
         verified = min(passed + 1, num_layers)
-        accepted = res.accepted[0].sum(-1).tolist()[:verified]
+        accepted = [sum(row) for row in node_accepted][:verified]
         return VerifyDecision(vs.group_id, passed, beams, finished, proposed[:verified], accepted, widths)
 
     res = verify_forest_greedy(
