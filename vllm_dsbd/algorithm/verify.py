@@ -252,14 +252,14 @@ def verify_layer(
         return at_drafts[r]
 
     drafts, widths = draft_index.tolist(), width.tolist()
-    chains = [_chain(g, can_accept[g], scaled[g], drafts[g], widths[g], residual_at_drafts) for g in range(num_groups)]
-
-    def column(k: int, dtype: torch.dtype) -> Tensor:
-        return torch.tensor([chain[k] for chain in chains], dtype=dtype, device=device)
-
-    accepted, out_index, out_draft = (column(k, dtype).reshape(num_groups, num_drafts)
-                                      for k, dtype in enumerate((torch.bool, torch.long, torch.long)))
-    count, rejections = column(3, torch.long), column(4, torch.long)
+    chains = [_chain(can_accept[g], scaled[g], drafts[g], widths[g], lambda r, g=g: residual_at_drafts(r)[g])
+              for g in range(num_groups)]
+    accepted_rows, index_rows, draft_rows, counts, last_rejections = zip(*chains)
+    accepted = torch.tensor(accepted_rows, dtype=torch.bool, device=device)
+    out_index = torch.tensor(index_rows, dtype=torch.long, device=device)
+    out_draft = torch.tensor(draft_rows, dtype=torch.long, device=device)
+    count = torch.tensor(counts, dtype=torch.long, device=device)
+    rejections = torch.tensor(last_rejections, dtype=torch.long, device=device)
 
     passed = count >= width
     if bool(passed.all()):
@@ -282,11 +282,12 @@ def verify_layer(
     return LayerVerification(accepted, passed, out_index, out_draft, out_count)
 
 
-def _chain(group: int, can_accept: list[bool], scaled: list[float], drafts: list[int], width: int,
-           residual_at_drafts: Callable[[int], list[list[float]]]) -> tuple[list, list, list, int, int]:
+def _chain(can_accept: list[bool], scaled: list[float], drafts: list[int], width: int,
+           residual: Callable[[int], list[float]]) -> tuple[list, list, list, int, int]:
     """One group's slots over its drafts in draw order (the module docstring): draft j is accepted when it
     may be (``can_accept``) and ``u_j Q'(x_j)`` (``scaled``) is below ``R_r(x_j)``, r the rejections since the
-    last acceptance; the chain stops after ``width`` acceptances. Returns (accepted per draft, the accepted
+    last acceptance (``residual(r)``: ``R_r`` at the group's drafts); the chain stops after ``width``
+    acceptances. Returns (accepted per draft, the accepted
     pair indices and draft numbers in slot order, padded with 0 and -1, the acceptances, the final r)."""
     num_drafts = len(drafts)
     accepted, index, draft = [False] * num_drafts, [0] * num_drafts, [-1] * num_drafts
@@ -294,7 +295,7 @@ def _chain(group: int, can_accept: list[bool], scaled: list[float], drafts: list
     for j in range(num_drafts):
         if count >= width:
             break
-        acc = can_accept[j] and scaled[j] < residual_at_drafts(rejections)[group][j]
+        acc = can_accept[j] and scaled[j] < residual(rejections)[j]
         if acc:
             accepted[j], index[count], draft[count] = True, drafts[j], j
             count += 1

@@ -231,8 +231,9 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
                 else:
                     live += 1
             widths.append(live)
-        out = zip(res.out_parent[0].tolist(), res.out_token[0].tolist(), res.out_score[0].tolist())
-        for parent, token, score in list(out)[:int(res.out_count[0])]:
+        num_out = int(res.out_count[0])
+        for parent, token, score in zip(res.out_parent[0, :num_out].tolist(), res.out_token[0, :num_out].tolist(),
+                                        res.out_score[0, :num_out].tolist()):
             c = choice(node_id(passed, parent, width), token, score)
             (finished if ends(c.parent, c.token) else beams).append(c)
         widths.append(len(beams))
