@@ -19,7 +19,7 @@ from vllm_dsbd.algorithm.reference import DecodeParams, beam_search
 from vllm_dsbd.algorithm.toy import MarkovLM, perturbed_draft, random_markov
 from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams
 from vllm_dsbd.engine.group_effects import Extend, Fork, Free, PathRequest
-from vllm_dsbd.engine.spec_step import DraftStore, draft_layer, verify
+from vllm_dsbd.engine.spec_step import DraftStore, draft_layer, expand_joint, verify
 
 
 class Req:
@@ -34,8 +34,9 @@ def params(**kw) -> BeamParams:
     return BeamParams(**{**base, **kw})
 
 
-def run_dsbd(target, draft, prompt, p: BeamParams, trace=None, stops=None):
-    """Decode one prompt the way the engine does; ``trace`` collects (num_passed, live requests)."""
+def run_dsbd(target, draft, prompt, p: BeamParams, trace=None, stops=None, support=None):
+    """Decode one prompt the way the engine does; ``trace`` collects (num_passed, live requests). ``support``:
+    the draft's proposable tokens, as the runner gives ``draft_layer`` (its joints then verified over them)."""
     ids = itertools.count()
     live: dict[str, Req] = {}
 
@@ -63,19 +64,21 @@ def run_dsbd(target, draft, prompt, p: BeamParams, trace=None, stops=None):
         while group.drafting:
             ds = group.draft_plan()
             logits = draft([live[r].tokens for r in ds.req_ids])
-            decision, joint = draft_layer(logits, {r: i for i, r in enumerate(ds.req_ids)}, ds)
+            decision, joint = draft_layer(logits, {r: i for i, r in enumerate(ds.req_ids)}, ds, support)
             if joint is not None:
-                store.put("g", ds.step, ds.layer, joint)
+                store.put("g", ds.step, ds.layer, joint, support)
             carry_out(group.apply_draft(decision))
         vs = group.verify_plan()
         path_logits = []
         for rid in vs.path_req_ids:
             r = live[rid]
             path_logits.append(target([r.tokens + r.spec[:j] for j in range(len(r.spec) + 1)]))
-        joints = store.take("g", vs.step, len(vs.draft_parents)) if p.temperature > 0 and vs.draft_parents else None
-        if joints is None and p.temperature > 0:
+        joints, verified_support = None, None
+        if p.temperature > 0 and vs.draft_parents:
+            joints, verified_support = store.take("g", vs.step, len(vs.draft_parents))
+        elif p.temperature > 0:
             joints = torch.zeros((0, p.beam_width * target.vocab_size))
-        decision = verify(path_logits, vs, joints, stops)
+        decision = verify(path_logits, vs, joints, stops, verified_support)
         carry_out(group.apply_verify(decision))
         for b in group.beams:  # every live beam's request holds exactly the beam's tokens
             assert b.request.tokens == prompt + b.tokens
@@ -122,15 +125,21 @@ def test_draft_equal_to_target_passes_every_layer():
     assert all(t[2] == t[3] == [2] * len(t[2]) for t in trace)  # every draft node accepted
 
 
-def assert_exact_fixed_width_sampling(target, draft, prompt, width, max_tokens, expected, **kw):
-    """4,000 seeded fixed-width DSBD runs (γ 2, T 1; ``kw``: more BeamParams) are distributed as ``expected``
-    (exact beam sampling, chi-square) and reject beam sampling with uniform parent weights (a planted bug)."""
+def fixed_width_samples(target, draft, prompt, width, max_tokens, support=None, **kw):
+    """The sorted outputs of 4,000 seeded fixed-width DSBD runs (γ 2, T 1; ``kw``: more BeamParams)."""
     samples = []
     for seed in range(4000):
         hyps = run_dsbd(target, draft, prompt, params(beam_width=width, n=width, max_tokens=max_tokens,
                                                       temperature=1.0, ignore_eos=True, eos_token_id=None,
-                                                      num_speculative_tokens=2, seed=seed, **kw))
+                                                      num_speculative_tokens=2, seed=seed, **kw), support=support)
         samples.append(tuple(sorted(h.tokens for h in hyps)))
+    return samples
+
+
+def assert_exact_fixed_width_sampling(target, draft, prompt, width, max_tokens, expected, support=None, **kw):
+    """4,000 seeded fixed-width DSBD runs (:func:`fixed_width_samples`) are distributed as ``expected``
+    (exact beam sampling, chi-square) and reject beam sampling with uniform parent weights (a planted bug)."""
+    samples = fixed_width_samples(target, draft, prompt, width, max_tokens, support, **kw)
     assert chi2_pvalue(samples, expected) > 1e-3
     wrong = exact_beam_sampling(target, tuple(prompt), width, max_tokens, temperature=1.0, ignore_eos=True,
                                 uniform_parents=True)
@@ -147,21 +156,50 @@ def test_fixed_width_dsbd_is_distributed_as_beam_sampling():
     assert_exact_fixed_width_sampling(target, draft, prompt, width, max_tokens, expected)
 
 
-def test_a_draft_restricted_to_the_low_token_ids_keeps_dsbd_exact():
-    """A draft that computes only the lowest token ids (``draft_vocab_size``: q = 0 on the others):
-    T = 0 is still vLLM's beam search, fixed-width T > 0 still exact beam sampling (4,000 seeds, chi-square;
-    the planted uniform-parent bug is rejected). The target puts real mass on the dropped token."""
+RESTRICTED_SUPPORT = torch.tensor([0, 1, 2])  # the restricted draft's proposable tokens
+
+
+def _restricted_case():
     target = random_markov(4, order=2, seed=21)
     draft = perturbed_draft(target, 0.8, seed=22).masked([3])  # draft_vocab_size = 3
-    prompt, width, max_tokens = [1], 2, 4
+    return target, draft, [1], 2, 4
+
+
+@pytest.mark.parametrize("support", [None, RESTRICTED_SUPPORT], ids=["over-all-tokens", "over-its-columns"])
+def test_a_draft_restricted_to_the_low_token_ids_keeps_dsbd_exact(support):
+    """A draft that computes only the lowest token ids (``draft_vocab_size``: q = 0 on the others):
+    T = 0 is still vLLM's beam search, fixed-width T > 0 still exact beam sampling (4,000 seeds, chi-square;
+    the planted uniform-parent bug is rejected). The target puts real mass on the dropped token. With its
+    ``support`` the draft's joints are kept and verified over its own columns (``algorithm.draft_columns``)."""
+    target, draft, prompt, width, max_tokens = _restricted_case()
     ref = beam_search(target, [prompt], DecodeParams(beam_width=width, temperature=0.0, max_tokens=max_tokens,
                                                      eos_token_id=None, num_speculative_tokens=0))[0]
     ours = run_dsbd(target, draft, prompt, params(beam_width=width, n=width, max_tokens=max_tokens,
-                                                  eos_token_id=None, ignore_eos=True, num_speculative_tokens=2))
+                                                  eos_token_id=None, ignore_eos=True, num_speculative_tokens=2),
+                    support=support)
     assert [h.tokens for h in ours] == [h.token_ids for h in ref]
     expected = exact_beam_sampling(target, tuple(prompt), width, max_tokens, temperature=1.0, ignore_eos=True)
     assert sum(p for seq, p in expected.items() if any(3 in beam for beam in seq)) > 0.3
-    assert_exact_fixed_width_sampling(target, draft, prompt, width, max_tokens, expected)
+    assert_exact_fixed_width_sampling(target, draft, prompt, width, max_tokens, expected, support)
+
+
+def test_verifying_over_the_drafts_columns_without_the_outside_mass_is_caught(monkeypatch):
+    """Planted bug: a layer compacted to the draft's columns without each parent's mass outside them (the
+    outside entry 0) is no longer beam sampling, and the chi-square check of the test above rejects it."""
+    from vllm_dsbd.algorithm import draft_columns
+
+    honest = draft_columns.DraftColumns.target
+
+    def without_outside(self, target, width):
+        compact, outside = honest(self, target, width)
+        compact.view(target.shape[0], width, self.row)[:, :, -1] = 0
+        return compact, outside
+
+    monkeypatch.setattr(draft_columns.DraftColumns, "target", without_outside)
+    target, draft, prompt, width, max_tokens = _restricted_case()
+    expected = exact_beam_sampling(target, tuple(prompt), width, max_tokens, temperature=1.0, ignore_eos=True)
+    samples = fixed_width_samples(target, draft, prompt, width, max_tokens, RESTRICTED_SUPPORT)
+    assert chi2_pvalue(samples, expected) < 1e-3
 
 
 def test_a_draft_sampled_at_another_temperature_keeps_dsbd_exact():
@@ -249,6 +287,7 @@ def test_a_heads_draft_layer_draws_what_sampling_over_the_whole_vocabulary_draws
         # a head's logits over its draft vocabulary's columns only (in-step drafting) draw the same
         columns = draft_layer(logits[:, own.sort().values], {"a": 0, "b": 1, "c": 2}, ds, own.sort().values, vocab)
         assert columns[0] == decision and torch.equal(columns[1], q)
+        q = expand_joint(q, own.sort().values, width, vocab)  # Q over the draft vocabulary's columns, 0 elsewhere
 
         lp = torch.zeros((width, vocab))
         lp[[0, 2, 3]] = tempered_logprobs(logits, 0.8)

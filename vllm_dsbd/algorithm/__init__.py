@@ -7,6 +7,8 @@
 - :mod:`.verify` — verification of a draft forest: per-layer multi-draft
   rejection with residuals, the acceptance-count dynamic program and the
   width rule, the whole iteration (:func:`verify_forest`).
+- :mod:`.draft_columns` — a layer verified over a draft's own K columns
+  (and each parent's target mass outside them) instead of all V.
 - :mod:`.verify_greedy` — lossless speculative beam search (``T = 0``,
   :func:`verify_forest_greedy`).
 - :mod:`.forest` — a group's forest as nodes and as root-to-leaf paths (the

@@ -37,7 +37,9 @@ Decisions where ALGORITHM.md leaves room:
   0))``), so each layer computes the ladder once (``W`` residuals, shared with
   the width DP; with fixed width only the levels some group reaches) and a
   group's chain state is the integer ``r``. Memory: one ``(W + 1) x G x W x V``
-  float buffer per :func:`verify_forest` call.
+  float buffer per :func:`verify_forest` call (``W x (K + 1)`` for a draft of K
+  columns: :mod:`.draft_columns`, whose outside draws take ``W_out`` more
+  uniforms of a group that has one).
 - Width: ``K`` is the number of acceptances among all ``W`` drafts of a layer
   (the layer passes iff ``K >= w_i``). ``w_i = max{k <= W : Pr(K >= k) >= τ}``
   then ``max(w_i, min_width)``; ``τ >= 1`` means fixed width ``w_i = W``
@@ -62,6 +64,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from vllm_dsbd.algorithm.draft_columns import DraftColumns
 from vllm_dsbd.algorithm.joint import (
     Generators,
     finishing_tokens,
@@ -393,6 +396,7 @@ def verify_forest(
     ignore_eos: Tensor | None = None,
     stop_token_ids: Sequence[int] = (),
     finishes_fn: NodeFinishes | None = None,
+    draft_support: Tensor | None = None,
 ) -> ForestVerification:
     """Verify one DSBD iteration of many groups (sampling mode, ``T > 0``).
 
@@ -400,7 +404,9 @@ def verify_forest(
         of layer-0 nodes (input beams, padded to W) and of each draft layer's nodes.
         Rows of nodes that are never valid parents may hold anything.
     root_scores: [G, W] cumulative scores of the input beams. root_valid: [G, W] bool.
-    draft_joints: [G, γ, W*V] ``Q_i`` each layer was drawn from (parents = layer i-1 nodes).
+    draft_joints: [G, γ, W*V] ``Q_i`` each layer was drawn from (parents = layer i-1 nodes); with
+        ``draft_support`` ([K] ascending token ids the draft proposes, K < V), [G, γ, W*K] over those
+        columns only, and each layer is verified on them (:mod:`.draft_columns`).
     draft_parents, draft_tokens: [G, γ, W] parent slot in layer i-1 and token of draft j.
     draft_exists: [G, γ, W] bool. num_layers: [G] draft layers to verify (<= γ).
     width_threshold: [G] τ (>= 1: fixed width). min_width: [G] or int (>= 1).
@@ -414,6 +420,7 @@ def verify_forest(
         ignore_eos = torch.zeros(num_groups, dtype=torch.bool, device=device)
     min_width = torch.as_tensor(min_width, device=device).expand(num_groups)
     out = ForestVerification._empty(num_groups, depth - 1, width, device)
+    columns = None if draft_support is None else DraftColumns(draft_support, vocab)
     ladder_buffer = None  # [W + 1, G, W*V], allocated at the first verified layer
 
     parent_valid = root_valid.clone()  # [G, W] valid parents of the current layer
@@ -441,7 +448,10 @@ def verify_forest(
         layer = i - 1
         valid = parent_valid[rows]
         draft_index = draft_parents[rows, layer] * vocab + draft_tokens[rows, layer]  # [g, W]
-        q = draft_joints[rows, layer]
+        q, layer_index = draft_joints[rows, layer], draft_index
+        if columns is not None:  # P and Q over the draft's columns, and each parent's mass outside them
+            target, outside = columns.target(target, width)
+            q, layer_index = columns.draft(q, width), columns.index(draft_index)
         restricted = restrict_to_parents(q, valid)
         if ladder_buffer is None:
             ladder_buffer = target.new_empty((width + 1, num_groups, target.shape[-1]))
@@ -452,7 +462,7 @@ def verify_forest(
             _, alpha = residual_ladder(target, restricted, width, ladder)
             levels = width + 1
             layer_width = choose_width(acceptance_count_distribution(alpha), width_threshold[rows], min_width[rows])
-        res = verify_layer(target, q, valid, draft_index, draft_exists[rows, layer], layer_width, num_out,
+        res = verify_layer(target, q, valid, layer_index, draft_exists[rows, layer], layer_width, num_out,
                            _generators(generator, rows), ladder, levels, restricted)
         out.widths[rows, layer] = layer_width
         out.accepted[rows, layer] = res.accepted
@@ -460,6 +470,9 @@ def verify_forest(
 
         failed = ~res.passed
         out_index = res.out_index[:, :num_out]
+        if columns is not None:
+            out_index = columns.flat(out_index, outside, lambda groups, n, rows=rows: uniforms(
+                _generators(generator, rows[groups]), groups.numel(), n, device))
         out._store_outputs(rows[failed], out_index[failed], _child_scores(scores, lp, out_index)[failed],
                            res.out_draft[failed, :num_out], vocab)
         out.num_passed[rows[failed]] = i - 1

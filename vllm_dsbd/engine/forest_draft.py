@@ -155,9 +155,9 @@ def _draw(runner, group: GroupDecoding, layers: int, beams: list[tuple[Chain, in
         support = runner._dsbd_support if order is not None else runner._draft_support(logits)
         row_of = {str(s): r for r, s in enumerate(slots)}
         chosen, joint = spec_step.draft_layer(logits, row_of, ds, support, vocab)
-        joint = mjsd_step.kept_draft(logits, row_of, ds, joint)
+        joint, support = mjsd_step.kept_draft(logits, row_of, ds, joint, support, runner.model_config.get_vocab_size())
         if joint is not None:
-            runner._dsbd_drafts.put(group.group_id, group.step + 1, layer, joint)
+            runner._dsbd_drafts.put(group.group_id, group.step + 1, layer, joint, support)
         out.append(chosen)
         grow = [j for j, t in enumerate(chosen.tokens)
                 if not token_finishes(t, group.eos_token_id, group.ignore_eos, group.stop_token_ids)]

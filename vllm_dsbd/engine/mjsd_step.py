@@ -25,7 +25,8 @@ from torch import Tensor
 from vllm_dsbd.algorithm import probs_from_logprobs_, sample_joint
 from vllm_dsbd.algorithm.mjsd import accepted_length, log_tau, node_conditionals_at, token_logprobs
 from vllm_dsbd.engine.protocol import DraftStep, VerifyChoice, VerifyDecision, VerifyStep, layer_slot
-from vllm_dsbd.engine.spec_step import VERIFY_SALT, generator, node_completes, node_token_finishes, token_logprob
+from vllm_dsbd.engine.spec_step import (VERIFY_SALT, expand_joint, generator, node_completes, node_token_finishes,
+                                       token_logprob)
 from vllm_dsbd.engine.stops import StopCheckers
 
 
@@ -39,12 +40,18 @@ def greedy_node_logprobs(logits: Tensor, row_of: Mapping[str, int], ds: DraftSte
     return out.reshape(-1)
 
 
-def kept_draft(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, joint: Tensor | None) -> Tensor | None:
-    """What the runner keeps of a draft layer until its verification (``DraftStore``): the joint the layer
-    drew from (``T > 0``; an MJSD verification reads its nodes' conditionals from it), or at ``T = 0`` an MJSD
-    group's :func:`greedy_node_logprobs` (a DSBD group's: nothing). The same in draft steps and in the verify
-    step before them (``engine.forest_draft``)."""
-    return greedy_node_logprobs(logits, row_of, ds) if ds.mjsd and joint is None else joint
+def kept_draft(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, joint: Tensor | None,
+               support: Tensor | None, vocab_size: int) -> tuple[Tensor | None, Tensor | None]:
+    """What the runner keeps of a draft layer until its verification (``DraftStore``), and over which
+    support: the joint the layer drew from (``T > 0``; ``spec_step.draft_layer``'s, over ``support``'s columns
+    when it has one; an MJSD verification reads its nodes' conditionals from it, over all ``vocab_size``
+    tokens), or at ``T = 0`` an MJSD group's :func:`greedy_node_logprobs` (a DSBD group's: nothing). The same
+    in draft steps and in the verify step before them (``engine.forest_draft``)."""
+    if not ds.mjsd:
+        return joint, support
+    if joint is None:
+        return greedy_node_logprobs(logits, row_of, ds), None
+    return (joint, None) if support is None else (expand_joint(joint, support, ds.beam_width, vocab_size), None)
 
 
 def verify(path_logits: Sequence[Tensor], vs: VerifyStep, drafts: Tensor,

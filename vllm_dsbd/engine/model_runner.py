@@ -257,10 +257,11 @@ class DSBDModelRunnerMixin:
 
         if plan.draft:
             for ds in plan.draft_steps:
-                decision, joint = spec_step.draft_layer(logits, last_row, ds, self._draft_support(logits))
-                joint = mjsd_step.kept_draft(logits, last_row, ds, joint)
+                support = self._draft_support(logits)
+                decision, joint = spec_step.draft_layer(logits, last_row, ds, support)
+                joint, support = mjsd_step.kept_draft(logits, last_row, ds, joint, support, logits.shape[-1])
                 if joint is not None:
-                    self._dsbd_drafts.put(ds.group_id, ds.step, ds.layer, joint)
+                    self._dsbd_drafts.put(ds.group_id, ds.step, ds.layer, joint, support)
                 result.draft_decisions[ds.group_id] = decision
                 for rid in ds.req_ids:  # parent nodes keep their tokens; children are forks
                     discard[req_index[rid]] = True
@@ -282,14 +283,16 @@ class DSBDModelRunnerMixin:
             for vs in plan.verify_steps:
                 rows = [req_index[rid] for rid in vs.path_req_ids]
                 path_logits = [logits[start[i]:start[i] + count[i]] for i in rows]
-                joints = None
+                joints, support = None, None
                 if vs.temperature > 0 or vs.mjsd_tau is not None:
                     num_layers = len(vs.draft_parents)
-                    joints = (self._dsbd_drafts.take(vs.group_id, vs.step, num_layers) if num_layers
-                              else torch.zeros((0, vs.beam_width * logits.shape[-1])))
-                verify = spec_step.verify if vs.mjsd_tau is None else mjsd_step.verify
+                    joints, support = (self._dsbd_drafts.take(vs.group_id, vs.step, num_layers) if num_layers
+                                       else (torch.zeros((0, vs.beam_width * logits.shape[-1])), None))
                 verifying = time.perf_counter()
-                decision = verify(path_logits, vs, joints, self._dsbd_stops)
+                if vs.mjsd_tau is None:
+                    decision = spec_step.verify(path_logits, vs, joints, self._dsbd_stops, support)
+                else:  # an MJSD group's draft layers were kept over the whole vocabulary (mjsd_step.kept_draft)
+                    decision = mjsd_step.verify(path_logits, vs, joints, self._dsbd_stops)
                 timing = result.timings[vs.group_id] = GroupTiming(time.perf_counter() - verifying)
                 if vs.draft_next:  # the next iteration's forest, in this step (engine.forest_draft)
                     drafting = time.perf_counter()

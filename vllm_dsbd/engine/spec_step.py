@@ -50,25 +50,33 @@ def generator(seed: int, step: int, salt: int, device: torch.device | str = "cpu
 
 
 class DraftStore:
-    """The draft joints ``Q_i`` of each group's current iteration, kept until it is verified."""
+    """The draft joints ``Q_i`` of each group's current iteration, kept until it is verified: each [W*V], or
+    [W*K] over the columns of a support (:func:`draft_layer`)."""
 
     def __init__(self) -> None:
-        self._joints: dict[str, tuple[int, dict[int, Tensor]]] = {}  # group -> (iteration, layer -> [W*V])
+        # group -> (iteration, layer -> (joint, support or None))
+        self._joints: dict[str, tuple[int, dict[int, tuple[Tensor, Tensor | None]]]] = {}
 
-    def put(self, group_id: str, step: int, layer: int, joint: Tensor) -> None:
+    def put(self, group_id: str, step: int, layer: int, joint: Tensor, support: Tensor | None = None) -> None:
         current = self._joints.get(group_id)
         if current is None or current[0] != step:
             current = (step, {})
             self._joints[group_id] = current
-        current[1][layer] = joint
+        current[1][layer] = joint, support
 
-    def take(self, group_id: str, step: int, num_layers: int) -> Tensor:
-        """[num_layers, W*V] joints of layers 1..num_layers of iteration ``step``; forgets the group."""
+    def take(self, group_id: str, step: int, num_layers: int) -> tuple[Tensor, Tensor | None]:
+        """The joints of layers 1..num_layers of iteration ``step`` ([num_layers, W*V], or [num_layers, W*K]
+        over the support) and their support (None: all V); forgets the group."""
         step_stored, joints = self._joints.pop(group_id)
         if step_stored != step or sorted(joints) != list(range(1, num_layers + 1)):
             raise RuntimeError(f"group {group_id}: draft joints of iteration {step_stored} layers {sorted(joints)}, "
                                f"verifying iteration {step} with {num_layers} layers")
-        return torch.stack([joints[i] for i in range(1, num_layers + 1)])
+        layers = [joints[i] for i in range(1, num_layers + 1)]
+        support = layers[0][1]
+        if any((s is None) != (support is None) or (s is not None and not torch.equal(s, support))
+               for _, s in layers):
+            raise RuntimeError(f"group {group_id}: the draft layers of iteration {step} have different supports")
+        return torch.stack([joint for joint, _ in layers]), support
 
     def forget(self, group_ids) -> None:
         for gid in group_ids:
@@ -89,7 +97,8 @@ def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, suppor
     does (the other tokens have probability 0, and the column order keeps the token order that ties and
     top-k follow), at a fraction of the cost. vocab_size: V, given when ``logits`` hold only the support's
     columns ([num_rows, K], T > 0 only: a head's ``eagle3.draft_vocabulary_logits``). Returns Q as [W*V]
-    float32.
+    float32, or with a support as [W*K] over its columns (0 on every other token; ``verify_forest``'s
+    ``draft_support`` verifies on those columns, :func:`expand_joint` makes the [W*V] one).
     """
     if vocab_size is not None and (support is None or ds.temperature <= 0):
         raise ValueError("draft_layer: logits over the support's columns only need a support and T > 0")
@@ -110,12 +119,7 @@ def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, suppor
         draws = sample_joint(q, width, generator(ds.seed, ds.step, ds.layer, logits.device))[0]
         parents, columns_drawn = draws // lp.shape[-1], draws % lp.shape[-1]
         new_scores = scores[0, parents] + lp[parents, columns_drawn].double()
-        tokens = columns_drawn
-        if support is not None:  # token ids, and Q over the whole vocabulary (0 outside the draft's) to verify
-            tokens = support[columns_drawn]
-            full = torch.zeros((width, vocab))
-            full[:, support] = q.view(width, -1)
-            q = full.view(1, -1)
+        tokens = columns_drawn if support is None else support[columns_drawn]  # token ids
         return DraftDecision(ds.group_id, parents.tolist(), tokens.tolist(), new_scores.tolist()), q[0]
     lp = torch.zeros((width, vocab))
     lp[slots] = torch.log_softmax(parent_logits, dim=-1)
@@ -125,6 +129,14 @@ def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, suppor
     keep = step.valid[0]
     return DraftDecision(ds.group_id, step.parents[0][keep].tolist(), step.tokens[0][keep].tolist(),
                          step.cum_logprobs[0][keep].tolist()), None
+
+
+def expand_joint(joint: Tensor, support: Tensor, width: int, vocab_size: int) -> Tensor:
+    """A joint over a support's columns ([W*K], :func:`draft_layer`) over the whole vocabulary: [W*V], 0 on
+    every token outside the support."""
+    full = joint.new_zeros((width, vocab_size))
+    full[:, support] = joint.view(width, -1)
+    return full.view(-1)
 
 
 def proposable_tokens(support: Tensor | None, vocab_size: int) -> Tensor | None:
@@ -169,11 +181,12 @@ def shared_node_rows(verify_steps: Sequence[VerifyStep], row_start: Mapping[str,
 
 
 def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor | None,
-           stops: StopCheckers | None = None) -> VerifyDecision:
+           stops: StopCheckers | None = None, draft_support: Tensor | None = None) -> VerifyDecision:
     """Verify one group's forest.
 
     path_logits: per path of ``vs.paths``, [len(path), V] target logits at its
-    nodes (root first). draft_joints: [layers, W*V] (``T > 0``; None at ``T = 0``).
+    nodes (root first). draft_joints: [layers, W*V] (``T > 0``; None at ``T = 0``), or [layers, W*K] over
+    the columns of ``draft_support`` (:class:`DraftStore`).
     stops: the stop-string checkers (needed with ``vs.stop``): a child of a
     node finishes when the node's text with its token completes a stop string.
     """
@@ -214,7 +227,7 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor |
             target.reshape(1, num_layers + 1, width, vocab), root_scores, root_valid, draft_joints[None], parents, tokens, exists,
             torch.tensor([num_layers]), torch.tensor([vs.width_threshold]), vs.min_width, vs.num_out,
             generator(vs.seed, vs.step, VERIFY_SALT), torch.tensor([vs.top_k]), torch.tensor([vs.top_p]),
-            vs.eos_token_id, ignore_eos, vs.stop_token_ids, node_finishes,
+            vs.eos_token_id, ignore_eos, vs.stop_token_ids, node_finishes, draft_support,
         )
         passed = int(res.num_passed[0])
         node_accepted, node_scores = res.accepted[0].tolist(), res.node_scores[0].tolist()  # [layers][W]
