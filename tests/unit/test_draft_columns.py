@@ -27,12 +27,12 @@ def _layer(seed: int):
 def test_the_compact_ladder_has_the_whole_vocabularys_acceptance_rates():
     """Every level's α (what acceptance and the width DP read) is the same over W x (K + 1) entries as over
     W x V, and so are the residuals at the draft's columns."""
-    columns = DraftColumns(SUPPORT, VOCAB)
+    columns = DraftColumns(SUPPORT, VOCAB, WIDTH)
     for seed in range(5):
         p, q, valid = _layer(seed)
         dense, alpha = residual_ladder(p, restrict_to_parents(q, valid), WIDTH)
-        compact_p, _ = columns.target(p.clone(), WIDTH)
-        compact_q = columns.draft(q.view(WIDTH, VOCAB)[:, SUPPORT].reshape(1, -1), WIDTH)
+        compact_p, _ = columns.target(p.clone())
+        compact_q = columns.draft(q.view(WIDTH, VOCAB)[:, SUPPORT].reshape(1, -1))
         ladder, compact_alpha = residual_ladder(compact_p, restrict_to_parents(compact_q, valid), WIDTH)
         torch.testing.assert_close(compact_alpha, alpha, atol=1e-6, rtol=0)
         at_columns = dense.view(WIDTH + 1, 1, WIDTH, VOCAB)[..., SUPPORT]
@@ -45,12 +45,12 @@ def test_indices_map_both_ways_and_outside_draws_follow_the_target_there():
     """A draft's flat index maps to its compact one and back; a token outside the columns maps to its
     parent's outside entry; draws on an outside entry are distributed as P at that parent outside the
     columns (20,000 draws, chi-square), and a planted uniform draw there is rejected."""
-    columns = DraftColumns(SUPPORT, VOCAB)
+    columns = DraftColumns(SUPPORT, VOCAB, WIDTH)
     p, _, _ = _layer(7)
     flat = torch.tensor([[0 * VOCAB + 3, 1 * VOCAB + 8, 1 * VOCAB + 5]])
     compact = columns.index(flat)
     assert compact.tolist() == [[2, columns.row + 4, 2 * columns.row - 1]]
-    _, outside = columns.target(p.clone(), WIDTH)
+    _, outside = columns.target(p.clone())
     draws = 20_000
     index = torch.full((1, draws), columns.row + columns.num_columns)  # parent 1's outside entry
     index[0, :2] = compact[0, :2]

@@ -190,9 +190,9 @@ def test_verifying_over_the_drafts_columns_without_the_outside_mass_is_caught(mo
 
     honest = draft_columns.DraftColumns.target
 
-    def without_outside(self, target, width):
-        compact, outside = honest(self, target, width)
-        compact.view(target.shape[0], width, self.row)[:, :, -1] = 0
+    def without_outside(self, target):
+        compact, outside = honest(self, target)
+        compact.view(target.shape[0], self.width, self.row)[:, :, -1] = 0
         return compact, outside
 
     monkeypatch.setattr(draft_columns.DraftColumns, "target", without_outside)

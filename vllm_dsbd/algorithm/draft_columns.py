@@ -31,44 +31,39 @@ from vllm_dsbd.algorithm.joint import sample_from_uniforms
 
 
 class DraftColumns:
-    """The draft's columns ``support`` ([K] ascending token ids) of a vocabulary of ``vocab`` tokens."""
+    """The draft's columns ``support`` ([K] ascending token ids) of a vocabulary of ``vocab`` tokens, for layers
+    of ``width`` parents."""
 
-    def __init__(self, support: Tensor, vocab: int) -> None:
+    def __init__(self, support: Tensor, vocab: int, width: int) -> None:
         self.support = support.long()
-        self.vocab = vocab
+        self.vocab, self.width = vocab, width
         self.num_columns = self.support.numel()
-        self._flat: Tensor | None = None
         if not 0 < self.num_columns < vocab:
             raise ValueError(f"a draft support must hold 1..{vocab - 1} of the {vocab} tokens, "
                              f"got {self.num_columns}")
+        # [W*K] flat pair indices of the columns: a flat gather is ten times faster on CPU than one along the
+        # last dimension of [g, W, V]
+        parents = torch.arange(width, device=self.support.device)[:, None] * vocab
+        self._flat = (parents + self.support).flatten()
 
     @property
     def row(self) -> int:
         """Entries per parent in the compact layout: the K columns, then the outside entry."""
         return self.num_columns + 1
 
-    def target(self, target: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    def target(self, target: Tensor) -> tuple[Tensor, Tensor]:
         """``P`` [g, W*V] as its compact [g, W*(K+1)], and ``P`` outside C [g, W, V] (``target`` itself, the
         columns of C set to 0 in place), from which draws on the outside entries are finished."""
         num_groups = target.shape[0]
-        columns = self._flat_columns(width)
-        inside = target.index_select(1, columns).view(num_groups, width, self.num_columns)
-        target.index_fill_(1, columns, 0.0)
-        full = target.view(num_groups, width, self.vocab)
+        inside = target.index_select(1, self._flat).view(num_groups, self.width, self.num_columns)
+        target.index_fill_(1, self._flat, 0.0)
+        full = target.view(num_groups, self.width, self.vocab)
         return torch.cat([inside, full.sum(-1, keepdim=True)], -1).view(num_groups, -1), full
 
-    def _flat_columns(self, width: int) -> Tensor:
-        """[W*K] flat pair indices of the columns (a flat gather is ten times faster on CPU than one along
-        the last dimension of [g, W, V])."""
-        if self._flat is None or self._flat.numel() != width * self.num_columns:
-            parents = torch.arange(width, device=self.support.device)[:, None] * self.vocab
-            self._flat = (parents + self.support).flatten()
-        return self._flat
-
-    def draft(self, joint: Tensor, width: int) -> Tensor:
+    def draft(self, joint: Tensor) -> Tensor:
         """A draft joint over C ([g, W*K]) in the compact layout: 0 at each outside entry. [g, W*(K+1)]."""
         num_groups = joint.shape[0]
-        return F.pad(joint.view(num_groups, width, self.num_columns), (0, 1)).view(num_groups, -1)
+        return F.pad(joint.view(num_groups, self.width, self.num_columns), (0, 1)).view(num_groups, -1)
 
     def index(self, flat: Tensor) -> Tensor:
         """Compact indices of flat pair indices ``parent * V + token``; a token outside C maps to its parent's

@@ -420,8 +420,8 @@ def verify_forest(
         ignore_eos = torch.zeros(num_groups, dtype=torch.bool, device=device)
     min_width = torch.as_tensor(min_width, device=device).expand(num_groups)
     out = ForestVerification._empty(num_groups, depth - 1, width, device)
-    columns = None if draft_support is None else DraftColumns(draft_support, vocab)
-    ladder_buffer = None  # [W + 1, G, W*V], allocated at the first verified layer
+    columns = None if draft_support is None else DraftColumns(draft_support, vocab, width)
+    ladder_buffer = None  # [W + 1, G, W*V] (W*(K+1) over the draft's columns), allocated at the first verified layer
 
     parent_valid = root_valid.clone()  # [G, W] valid parents of the current layer
     parent_scores = root_scores.double().clone()  # [G, W]
@@ -450,8 +450,8 @@ def verify_forest(
         draft_index = draft_parents[rows, layer] * vocab + draft_tokens[rows, layer]  # [g, W]
         q, layer_index = draft_joints[rows, layer], draft_index
         if columns is not None:  # P and Q over the draft's columns, and each parent's mass outside them
-            target, outside = columns.target(target, width)
-            q, layer_index = columns.draft(q, width), columns.index(draft_index)
+            target, outside = columns.target(target)
+            q, layer_index = columns.draft(q), columns.index(draft_index)
         restricted = restrict_to_parents(q, valid)
         if ladder_buffer is None:
             ladder_buffer = target.new_empty((width + 1, num_groups, target.shape[-1]))
