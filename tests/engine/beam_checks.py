@@ -68,6 +68,16 @@ def start_spec_llm(model, draft, env: dict[str, str], gamma: int = 3, knobs: dic
                       "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20, **overrides})
 
 
+def start_permutation_llm(tiny_target, root: Path, env: dict[str, str] | None = None, **kw):
+    """A DSBD engine (γ <= 2) on a bigram target written under ``root`` (next token = a permutation of the
+    current one, made from ``tiny_target``) with a head that predicts it from the feature of the position
+    before (as EAGLE-3 lays out its inputs): every draft after a prompt's first iteration is right."""
+    from eagle3_heads import write_permutation_head, write_permutation_target  # tests/eagle3_heads.py
+
+    target = write_permutation_target(tiny_target, root / "target")
+    return start_spec_llm(target, write_permutation_head(target, root / "head"), env or {}, gamma=2, **kw)
+
+
 def beam_search(llm, prompts, width, max_tokens, length_penalty=1.0):
     """``llm.beam_search`` (vLLM's front-end loop on a plain engine, the engine's on a DSBD engine)."""
     from vllm.sampling_params import BeamSearchParams

@@ -160,34 +160,6 @@ def test_a_head_trained_here_drafts_losslessly(engine_pool, tiny_eos_target, tin
     _assert_same_search(want, llm.generate(PROMPTS, _beams(4, 2, 10), use_tqdm=False))
 
 
-@pytest.fixture
-def permutation_llm(engine_pool, tiny_pair, tmp_path_factory):
-    """A DSBD engine on a bigram target (next token = a permutation of the current one) with a head that
-    predicts it from the feature of the position before (as EAGLE-3 lays out its inputs)."""
-    from eagle3_heads import write_permutation_head, write_permutation_target  # tests/eagle3_heads.py
-
-    def start():
-        root = tmp_path_factory.mktemp("permutation")
-        target = write_permutation_target(tiny_pair.target, root / "target")
-        return start_spec_llm(target, write_permutation_head(target, root / "head"), {}, gamma=2)
-
-    return engine_pool.get("permutation_llm", start)
-
-
-@pytest.fixture
-def permutation_in_step_llm(engine_pool, tiny_pair, tmp_path_factory):
-    """As ``permutation_llm``, with ``draft_in_step``."""
-    from eagle3_heads import write_permutation_head, write_permutation_target  # tests/eagle3_heads.py
-
-    def start():
-        root = tmp_path_factory.mktemp("permutation-in-step")
-        target = write_permutation_target(tiny_pair.target, root / "target")
-        return start_spec_llm(target, write_permutation_head(target, root / "head"), {}, gamma=2,
-                              knobs={"draft_in_step": True})
-
-    return engine_pool.get("permutation_in_step_llm", start)
-
-
 def test_mjsd_drafting_inside_the_verify_step_feeds_the_head_the_accepted_tokens(permutation_in_step_llm):
     """MJSD (K 1, γ 2, T 0) on the permutation pair with ``draft_in_step``: depth 1 is right after a
     request's first iteration, depth 2 (fed the head's own output) never, so every later iteration accepts

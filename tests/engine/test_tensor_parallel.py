@@ -6,14 +6,16 @@ its own decisions back as the next input tokens, so the ranks must decide
 alike. Checked: both ranks' running hashes of their decisions are equal,
 T = 0 stays token for token vLLM's beam search on a single-process engine,
 and T > 0 requests reproduce for a seed. The same on vLLM's Ray executor:
-test_ray_executor.py.
+test_ray_executor.py. With an EAGLE-3 head drafting inside the verify step
+(the permutation pair, tests/engine/conftest.py): every rank's head reads the
+target's gathered features, so its drafts are as right as on one process.
 """
 
 from __future__ import annotations
 
 import pytest
 from beam_checks import (  # tests/engine/beam_checks.py
-    PROMPTS, beam_search, engine_metric, start_spec_llm, tiny_draft_two_heads,
+    PROMPTS, beam_search, engine_metric, start_permutation_llm, start_spec_llm, tiny_draft_two_heads,
 )
 
 pytestmark = pytest.mark.engine
@@ -23,8 +25,19 @@ pytestmark = pytest.mark.engine
 def tp2_llm(engine_pool, tiny_eos_target):
     # vLLM's CPU workers bind threads per NUMA node; this machine has one, so each rank gets a core by hand
     return engine_pool.get("tp2_llm", lambda: start_spec_llm(
-        tiny_eos_target, tiny_draft_two_heads(), {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tensor_parallel_size=2,
+        tiny_eos_target, tiny_draft_two_heads(), TP2_ENV, tensor_parallel_size=2,
         distributed_executor_backend="mp"), alone=True)
+
+
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+@pytest.fixture
+def tp2_head_llm(engine_pool, tiny_pair, tmp_path_factory):
+    """The permutation pair's engine (tests/engine/conftest.py) with ``draft_in_step``, on TP 2."""
+    return engine_pool.get("tp2_head_llm", lambda: start_permutation_llm(
+        tiny_pair.target, tmp_path_factory.mktemp("permutation-tp2"), TP2_ENV, knobs={"draft_in_step": True},
+        tensor_parallel_size=2, distributed_executor_backend="mp"), alone=True)
 
 
 @pytest.mark.parametrize("width", [2, 4])
@@ -59,3 +72,47 @@ def test_every_rank_made_the_same_decisions(tp2_llm):
                      use_tqdm=False)
     after = tp2_llm.collective_rpc("dsbd_decisions_digest")
     assert len(after) == 2 and after[0] == after[1] and after != before
+
+
+def _counts(llm) -> dict[str, float]:
+    return {k: engine_metric(llm, f"vllm:spec_decode_num_{k}") for k in ("drafts", "draft_tokens", "accepted_tokens")}
+
+
+def _generate_counting(llm, params):
+    before = _counts(llm)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [[list(c.token_ids) for c in o.outputs] for o in outs], {k: v - before[k] for k, v in _counts(llm).items()}
+
+
+def test_a_head_drafting_in_the_verify_step_reads_the_gathered_features_on_every_rank(tp2_head_llm):
+    """W 1, γ 1: after a prompt's first iteration every draft of the permutation head is right, as on one
+    process (test_dsbd_eagle3.py), only if the head on each rank reads the target's features of the
+    position before each token."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(n=1, temperature=0.0, max_tokens=16, ignore_eos=True,
+                            extra_args={"beam_width": 1, "num_speculative_tokens": 1})
+    outs, after = _generate_counting(tp2_head_llm, params)
+    assert all(len(o[0]) == 16 for o in outs)
+    assert after["draft_tokens"] >= 8 * len(PROMPTS)
+    assert after["accepted_tokens"] == after["draft_tokens"] - len(PROMPTS), after
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_head_drafting_in_the_verify_step_on_tp2_gives_what_one_process_gives(tp2_head_llm,
+                                                                                 permutation_in_step_llm,
+                                                                                 temperature):
+    """W 4, γ 2, dynamic width: the same seeded requests give the same beams and accept the same drafts on
+    TP 2 as on one process, and both ranks made the same decisions."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(n=4, temperature=temperature, seed=3 + i, max_tokens=12, ignore_eos=True,
+                             extra_args={"beam_width": 4, "num_speculative_tokens": 2})
+              for i in range(len(PROMPTS))]
+    digest = tp2_head_llm.collective_rpc("dsbd_decisions_digest")
+    got, counts = _generate_counting(tp2_head_llm, params)
+    want, want_counts = _generate_counting(permutation_in_step_llm, params)
+    assert got == want
+    assert counts == want_counts and counts["accepted_tokens"] > 0, (counts, want_counts)
+    after = tp2_head_llm.collective_rpc("dsbd_decisions_digest")
+    assert after[0] == after[1] != digest[0]

@@ -1,0 +1,21 @@
+"""Engines shared by the engine tests of more than one module (pooled: tests/engine_pool.py)."""
+
+from __future__ import annotations
+
+import pytest
+from beam_checks import start_permutation_llm  # tests/engine/beam_checks.py
+
+
+@pytest.fixture
+def permutation_llm(engine_pool, tiny_pair, tmp_path_factory):
+    """A DSBD engine on a bigram target (next token = a permutation of the current one) with a head that
+    predicts it from the feature of the position before (as EAGLE-3 lays out its inputs)."""
+    return engine_pool.get("permutation_llm", lambda: start_permutation_llm(
+        tiny_pair.target, tmp_path_factory.mktemp("permutation")))
+
+
+@pytest.fixture
+def permutation_in_step_llm(engine_pool, tiny_pair, tmp_path_factory):
+    """As ``permutation_llm``, with ``draft_in_step``."""
+    return engine_pool.get("permutation_in_step_llm", lambda: start_permutation_llm(
+        tiny_pair.target, tmp_path_factory.mktemp("permutation-in-step"), knobs={"draft_in_step": True}))
