@@ -98,16 +98,24 @@ def test_a_head_drafting_in_the_verify_step_reads_the_gathered_features_on_every
     assert after["accepted_tokens"] == after["draft_tokens"] - len(PROMPTS), after
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+KINDS = {  # n, temperature, extra_args beside γ 2
+    "T 0": (4, 0.0, {"beam_width": 4}),
+    "T 1": (4, 1.0, {"beam_width": 4}),
+    "T 1 memory-efficient": (1, 1.0, {"beam_width": 4, "memory_efficient": True}),
+    "MJSD T 0": (1, 0.0, {"decoder": "mjsd", "beam_width": 1, "mjsd_tau": 0.5}),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_a_head_drafting_in_the_verify_step_on_tp2_gives_what_one_process_gives(tp2_head_llm,
-                                                                                 permutation_in_step_llm,
-                                                                                 temperature):
-    """W 4, γ 2, dynamic width: the same seeded requests give the same beams and accept the same drafts on
-    TP 2 as on one process, and both ranks made the same decisions."""
+                                                                                 permutation_in_step_llm, kind):
+    """γ 2, dynamic width (or MJSD): the same seeded requests give the same outputs and accept the same drafts
+    on TP 2 as on one process, and both ranks made the same decisions."""
     from vllm import SamplingParams
 
-    params = [SamplingParams(n=4, temperature=temperature, seed=3 + i, max_tokens=12, ignore_eos=True,
-                             extra_args={"beam_width": 4, "num_speculative_tokens": 2})
+    n, temperature, extra = KINDS[kind]
+    params = [SamplingParams(n=n, temperature=temperature, seed=3 + i, max_tokens=12, ignore_eos=True,
+                             extra_args={"num_speculative_tokens": 2, **extra})
               for i in range(len(PROMPTS))]
     digest = tp2_head_llm.collective_rpc("dsbd_decisions_digest")
     got, counts = _generate_counting(tp2_head_llm, params)
