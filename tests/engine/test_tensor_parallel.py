@@ -20,6 +20,8 @@ from beam_checks import (  # tests/engine/beam_checks.py
 
 pytestmark = pytest.mark.engine
 
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core a rank (see tp2_llm)
+
 
 @pytest.fixture
 def tp2_llm(engine_pool, tiny_eos_target):
@@ -27,9 +29,6 @@ def tp2_llm(engine_pool, tiny_eos_target):
     return engine_pool.get("tp2_llm", lambda: start_spec_llm(
         tiny_eos_target, tiny_draft_two_heads(), TP2_ENV, tensor_parallel_size=2,
         distributed_executor_backend="mp"), alone=True)
-
-
-TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 @pytest.fixture
