@@ -8,7 +8,9 @@ for the scheduler's output, collective RPCs, gloo for the tensor-parallel
 collectives). Checked: the plugin registers in the actors; T = 0 is vLLM's
 beam search on a single-process engine token for token; seeded T > 0
 reproduces; every rank decides alike (and a planted rank-dependent seed is
-caught); aborted requests free their KV.
+caught); aborted requests free their KV. First, with an EAGLE-3 head drafting
+inside the verify step (the permutation pair, tests/engine/conftest.py): every
+draft after a prompt's first iteration is accepted, as on one process.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import json
 
 import pytest
 from beam_checks import (  # tests/engine/beam_checks.py
-    PROMPTS, assert_kv_freed_after_finish_and_abort, beam_search, engine_metric, start_spec_llm,
-    tiny_draft_two_heads,
+    PROMPTS, assert_kv_freed_after_finish_and_abort, beam_search, engine_metric, start_permutation_llm,
+    start_spec_llm, tiny_draft_two_heads,
 )
 
 pytestmark = pytest.mark.engine
@@ -26,20 +28,48 @@ pytestmark = pytest.mark.engine
 GAMMA = 2
 
 
-@pytest.fixture(scope="module")
-def ray_tp2_llm(ray_cluster, tiny_eos_target):
+RAY_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+"""VLLM_ENABLE_V1_MULTIPROCESSING 0: the engine core, and so the executor, in this process."""
+
+
+def _start_on_ray(start):
+    """``start(env, **engine_overrides)`` on vLLM's Ray executor with TP 2, through the shim."""
     import ray_shim  # tests/ray_shim.py
     import vllm.envs
 
     ray_shim.apply()
-    # VLLM_ENABLE_V1_MULTIPROCESSING 0: the engine core, and so the executor, in this process.
     # An in-process engine core caches vLLM's environment variables: uncache them once it has started.
     try:
-        llm = start_spec_llm(tiny_eos_target, tiny_draft_two_heads(),
-                             {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-                             gamma=GAMMA, tensor_parallel_size=2, distributed_executor_backend="ray")
+        return start(RAY_ENV, tensor_parallel_size=2, distributed_executor_backend="ray")
     finally:
         vllm.envs.disable_envs_cache()
+
+
+def test_a_head_drafting_in_the_verify_step_on_the_ray_executor(ray_cluster, tiny_pair, tmp_path):
+    """First in this module (its engine is shut down before the module's own starts): W 1, γ 1 on the
+    permutation pair, every draft after a prompt's first iteration right, and both ranks decided alike."""
+    from vllm import SamplingParams
+
+    llm = _start_on_ray(lambda env, **kw: start_permutation_llm(tiny_pair.target, tmp_path, env,
+                                                                knobs={"draft_in_step": True}, **kw))
+    try:
+        names = {k: f"vllm:spec_decode_num_{k}" for k in ("draft_tokens", "accepted_tokens")}
+        outs = llm.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_tokens=16, ignore_eos=True, extra_args={
+            "beam_width": 1, "num_speculative_tokens": 1}), use_tqdm=False)
+        counts = {k: engine_metric(llm, n) for k, n in names.items()}
+        digests = llm.collective_rpc("dsbd_decisions_digest")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    assert counts["draft_tokens"] >= 8 * len(PROMPTS)
+    assert counts["accepted_tokens"] == counts["draft_tokens"] - len(PROMPTS), counts
+    assert len(digests) == 2 and digests[0] == digests[1]
+
+
+@pytest.fixture(scope="module")
+def ray_tp2_llm(ray_cluster, tiny_eos_target):
+    llm = _start_on_ray(lambda env, **kw: start_spec_llm(tiny_eos_target, tiny_draft_two_heads(), env,
+                                                         gamma=GAMMA, **kw))
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
