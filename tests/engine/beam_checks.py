@@ -78,6 +78,24 @@ def start_permutation_llm(tiny_target, root: Path, env: dict[str, str] | None = 
     return start_spec_llm(target, write_permutation_head(target, root / "head"), env or {}, gamma=2, **kw)
 
 
+def assert_the_permutation_head_is_right_after_each_prompt(llm) -> None:
+    """W 1, γ 1, T 0 on a :func:`start_permutation_llm` engine: each iteration drafts one token from the last
+    token and the target's feature of the one before it. After a prompt, whose last token does not follow its
+    previous one, every draft is right: the head is wrong only in each prompt's first iteration (a zero or
+    misplaced feature is never right)."""
+    from vllm import SamplingParams
+
+    names = {k: f"vllm:spec_decode_num_{k}" for k in ("draft_tokens", "accepted_tokens")}
+    before = {k: engine_metric(llm, n) for k, n in names.items()}
+    params = SamplingParams(n=1, temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True,
+                            extra_args={"beam_width": 1, "num_speculative_tokens": 1})
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    after = {k: engine_metric(llm, n) - before[k] for k, n in names.items()}
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    assert after["draft_tokens"] >= 8 * len(PROMPTS)
+    assert after["accepted_tokens"] == after["draft_tokens"] - len(PROMPTS), after
+
+
 def beam_search(llm, prompts, width, max_tokens, length_penalty=1.0):
     """``llm.beam_search`` (vLLM's front-end loop on a plain engine, the engine's on a DSBD engine)."""
     from vllm.sampling_params import BeamSearchParams

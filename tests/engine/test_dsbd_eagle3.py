@@ -15,8 +15,9 @@ import sys
 import pytest
 import torch
 from beam_checks import (  # tests/engine/beam_checks.py
-    PROMPTS, assert_distributed_as_beam_sampling, assert_kv_freed_after_finish_and_abort, beam_search, engine_metric,
-    recording_policy, start_spec_llm)
+    PROMPTS, assert_distributed_as_beam_sampling, assert_kv_freed_after_finish_and_abort,
+    assert_the_permutation_head_is_right_after_each_prompt, beam_search, engine_metric, recording_policy,
+    start_spec_llm)
 
 pytestmark = pytest.mark.engine
 
@@ -205,16 +206,8 @@ def test_memory_efficient_drafting_inside_the_verify_step_draws_what_draft_steps
 
 
 def test_a_head_reads_the_feature_of_the_position_before_each_token(permutation_llm):
-    """W = 1, γ = 1: each iteration drafts one token from the last token and the target's feature of the one
-    before it. After a prompt, whose last token does not follow its previous one, every draft is right: the
-    head is wrong only in each prompt's first iteration (a zero or misplaced feature is never right)."""
-    names = {k: f"vllm:spec_decode_num_{k}" for k in ("drafts", "draft_tokens", "accepted_tokens")}
-    before = {k: engine_metric(permutation_llm, n) for k, n in names.items()}
-    outs = permutation_llm.generate(PROMPTS, _beams(1, 1, 16, ignore_eos=True), use_tqdm=False)
-    after = {k: engine_metric(permutation_llm, n) - before[k] for k, n in names.items()}
-    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
-    assert after["draft_tokens"] >= 8 * len(PROMPTS)
-    assert after["accepted_tokens"] == after["draft_tokens"] - len(PROMPTS)
+    """W = 1, γ = 1 on the permutation pair: every draft after each prompt's first iteration is right."""
+    assert_the_permutation_head_is_right_after_each_prompt(permutation_llm)
 
 
 def test_the_heads_kv_of_accepted_drafts_is_recomputed_from_the_targets_features(permutation_llm):

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import pytest
 from beam_checks import (  # tests/engine/beam_checks.py
-    PROMPTS, beam_search, engine_metric, start_permutation_llm, start_spec_llm, tiny_draft_two_heads,
+    PROMPTS, assert_the_permutation_head_is_right_after_each_prompt, beam_search, engine_metric,
+    start_permutation_llm, start_spec_llm, tiny_draft_two_heads,
 )
 
 pytestmark = pytest.mark.engine
@@ -84,17 +85,9 @@ def _generate_counting(llm, params):
 
 
 def test_a_head_drafting_in_the_verify_step_reads_the_gathered_features_on_every_rank(tp2_head_llm):
-    """W 1, γ 1: after a prompt's first iteration every draft of the permutation head is right, as on one
-    process (test_dsbd_eagle3.py), only if the head on each rank reads the target's features of the
-    position before each token."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(n=1, temperature=0.0, max_tokens=16, ignore_eos=True,
-                            extra_args={"beam_width": 1, "num_speculative_tokens": 1})
-    outs, after = _generate_counting(tp2_head_llm, params)
-    assert all(len(o[0]) == 16 for o in outs)
-    assert after["draft_tokens"] >= 8 * len(PROMPTS)
-    assert after["accepted_tokens"] == after["draft_tokens"] - len(PROMPTS), after
+    """After a prompt's first iteration every draft of the permutation head is right, as on one process,
+    only if the head on each rank reads the target's features of the position before each token."""
+    assert_the_permutation_head_is_right_after_each_prompt(tp2_head_llm)
 
 
 KINDS = {  # n, temperature, extra_args beside γ 2
