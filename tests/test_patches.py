@@ -283,6 +283,43 @@ def test_a_head_that_does_not_fit_the_target_is_refused_naming_the_mismatch(tiny
         args.create_engine_config()
 
 
+def _set_heads(heads, kv_heads):
+    def edit(config):
+        config["transformer_layer_config"].update(num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                                  head_dim=32)
+    return edit
+
+
+@pytest.mark.parametrize("heads, kv_heads, match", [
+    (3, 1, r"The DSBD draft .*speculators is sharded like the target, so its heads must split over the "
+           r"tensor-parallel size: .*Total number of attention heads \(3\) must be divisible by tensor parallel "
+           r"size \(2\)\.$"),
+    (4, 3, r"The DSBD draft .*speculators has 3 KV heads, which tensor_parallel_size=2 neither divides nor is a "
+           r"multiple of \(vLLM shards or replicates them\); allowed for this draft: \[1\]"),
+    (4, 1, None),  # one KV head, replicated on both ranks
+])
+def test_a_draft_whose_heads_do_not_split_over_tensor_parallel_ranks_is_refused(tiny_pair, tmp_path, heads,
+                                                                                  kv_heads, match):
+    """At config time, naming the draft: vLLM's own check names neither model, and a KV head count that is
+    neither a divisor nor a multiple of the TP size passes it and fails each worker's model load."""
+    args = _head_engine_args(tiny_pair, tmp_path, edit_config=_set_heads(heads, kv_heads))
+    args.tensor_parallel_size = 2
+    if match is None:
+        config = args.create_engine_config()
+        assert config.speculative_config.draft_model_config.get_total_num_kv_heads() == kv_heads
+        return
+    with pytest.raises(ValueError, match=match):
+        args.create_engine_config()
+
+
+def test_a_small_draft_model_whose_heads_do_not_split_is_refused_naming_it(tiny_pair):
+    args = _engine_args(tiny_pair, num_speculative_tokens=2)
+    args.tensor_parallel_size = 2  # the tiny draft has one attention head
+    with pytest.raises(ValueError, match=r"The DSBD draft .*tiny-draft is sharded like the target.*attention heads "
+                                         r"\(1\) must be divisible by tensor parallel size \(2\)"):
+        args.create_engine_config()
+
+
 def test_draft_vocab_size_is_refused_with_an_eagle3_head(tiny_pair, tmp_path):
     args = _head_engine_args(tiny_pair, tmp_path, draft_vocab_size=500)
     with pytest.raises(ValueError, match=r"'draft_vocab_size'=500 cuts a draft model's vocabulary, but the draft .* "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, get_args
 
 from vllm_dsbd.config import ADDITIONAL_CONFIG_KEY, DRAFT_DEFAULTS_FILE, METHOD, DSBDConfig, draft_defaults
@@ -137,10 +138,17 @@ def _speculative_method_flag() -> None:
 #            the other way round). After it: the draft's vocabulary must be
 #            the target's (an EAGLE-3 head: its rotary cache spans
 #            max_model_len, no draft_vocab_size), γ must fit max_model_len,
-#            and the draft's ModelConfig takes the `draft_dtype` knob's dtype.
+#            and the draft's ModelConfig takes the `draft_dtype` knob's dtype;
+#            a draft whose attention or KV heads do not split over the TP
+#            ranks is refused naming it (vLLM names no model, or fails in
+#            the workers' model load).
 #   remove-when: vLLM has an extension point for method-specific options and
 #            plugin-provided engine classes.
 # ---------------------------------------------------------------------------
+# vLLM's words (ModelConfig.verify_with_parallel_config); tests/test_patches.py pins them
+TP_HEADS_MESSAGE = r"Total number of attention heads \(\d+\) must be divisible by tensor parallel size \(\d+\)\."
+
+
 def _dsbd_engine_config() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -151,8 +159,17 @@ def _dsbd_engine_config() -> None:
         if dsbd is None:
             return original(self, *args, **kwargs)
         _install_dsbd_engine(self, dsbd)
-        config = original(self, *args, **kwargs)
+        draft = (self.speculative_config or {}).get("model")
+        try:
+            config = original(self, *args, **kwargs)
+        except ValueError as error:  # vLLM's refusal of the draft's attention heads names no model
+            words = re.search(TP_HEADS_MESSAGE, str(error))
+            if draft is None or words is None or "SpeculativeConfig" not in str(error):
+                raise
+            raise ValueError(f"The DSBD draft {draft} is sharded like the target, so its heads must split over "
+                             f"the tensor-parallel size: {words.group(0)}") from error
         if config.speculative_config is not None:
+            check_draft_kv_heads(config.speculative_config)
             prepare_eagle3_head(config.speculative_config, dsbd)
             check_same_vocabulary(config.speculative_config)
             set_draft_dtype(config.speculative_config, dsbd.draft_dtype)
@@ -307,6 +324,21 @@ def prepare_eagle3_head(config: Any, dsbd: DSBDConfig) -> None:
                config.draft_model_config.model)
     SpeculativeConfig._maybe_override_draft_max_position_embeddings(
         config.draft_model_config.hf_config, config.target_model_config.max_model_len)
+
+
+def check_draft_kv_heads(config: Any) -> None:
+    """vLLM shards a draft's KV heads over the tensor-parallel ranks, or replicates them when there are fewer,
+    and asserts in each worker's model load when neither divides the other; refuse that here, naming the draft
+    (vLLM checks the attention heads at config time, not the KV heads)."""
+    tp = config.draft_parallel_config.tensor_parallel_size
+    draft = config.draft_model_config
+    kv, heads = draft.get_total_num_kv_heads(), draft.model_arch_config.total_num_attention_heads
+    if kv % tp == 0 or tp % kv == 0:
+        return
+    allowed = [t for t in range(1, heads + 1) if heads % t == 0 and (kv % t == 0 or t % kv == 0)]
+    raise ValueError(f"The DSBD draft {draft.model} has {kv} KV heads, which tensor_parallel_size={tp} neither "
+                     f"divides nor is a multiple of (vLLM shards or replicates them); allowed for this draft: "
+                     f"{allowed}.")
 
 
 def check_same_vocabulary(config: Any) -> None:
