@@ -57,10 +57,13 @@ OPTIONS: dict[str, list] = {
 #: What beam requests refuse (the engine's requests._UNSUPPORTED), so an answered beam request with one is a bug.
 BEAM_REFUSED = {"min_p", "min_tokens", "bad_words", "logit_bias", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "structured_outputs", "prompt_logprobs"}
+#: Knobs a DSBD request may add, and the value drawn (``draft_in_step`` off: every engine allows that per request).
+DSBD_EXTRAS = {"memory_efficient": True, "auto_depth": True, "length_penalty": 0.5, "draft_temperature_scale": 0.75,
+               "draft_in_step": False}
 #: Knob values that are wrong for the tiny engine (γ <= 3, W <= 8), and typo'd knob names.
 BAD_KNOBS = [{"beam_width": 0}, {"beam_width": 9}, {"beam_width": "x"}, {"num_speculative_tokens": 4},
              {"num_speculative_tokens": -1}, {"width_threshold": 1.5}, {"min_width": 0}, {"mjsd_tau": -1.0},
-             {"decoder": "beams"}, {"beam_widht": 4}, {"length_penalty": "long"}]
+             {"decoder": "beams"}, {"beam_widht": 4}, {"length_penalty": "long"}, {"draft_temperature_scale": 0}]
 
 
 @dataclass
@@ -155,10 +158,11 @@ def specs(draw) -> Spec:
             knobs["decoder"] = "mjsd"
             knobs["mjsd_tau"] = draw(st.sampled_from([0.1, 0.5, 0.9]))
             options["n"] = 1
+            if draw(st.integers(0, 3)) == 0:
+                knobs["draft_in_step"] = False
         if kind in ("dsbd_fixed", "dsbd_dynamic"):
-            for extra in draw(st.lists(st.sampled_from(["memory_efficient", "auto_depth", "length_penalty"]),
-                                       max_size=2, unique=True)):
-                knobs[extra] = 0.5 if extra == "length_penalty" else True
+            for extra in draw(st.lists(st.sampled_from(list(DSBD_EXTRAS)), max_size=2, unique=True)):
+                knobs[extra] = DSBD_EXTRAS[extra]
             if knobs.get("memory_efficient"):
                 options["n"] = 1
     if draw(st.integers(0, 9)) == 0:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from beam_checks import start_permutation_llm  # tests/engine/beam_checks.py
+from beam_checks import start_permutation_llm, start_spec_llm  # tests/engine/beam_checks.py
 
 
 @pytest.fixture
@@ -19,3 +19,19 @@ def permutation_in_step_llm(engine_pool, tiny_pair, tmp_path_factory):
     """As ``permutation_llm``, with ``draft_in_step``."""
     return engine_pool.get("permutation_in_step_llm", lambda: start_permutation_llm(
         tiny_pair.target, tmp_path_factory.mktemp("permutation-in-step"), knobs={"draft_in_step": True}))
+
+
+@pytest.fixture(scope="session")
+def heads(tmp_path_factory, tiny_eos_target):
+    """Random heads for the EOS-prone tiny target, one per checkpoint layout (a 1,024-token draft vocabulary)."""
+    from eagle3_heads import LAYOUTS, write_tiny_head  # tests/eagle3_heads.py
+
+    root = tmp_path_factory.mktemp("eagle3-heads")
+    return {layout: write_tiny_head(tiny_eos_target, root / layout, layout) for layout in LAYOUTS}
+
+
+@pytest.fixture
+def in_step_llm(engine_pool, tiny_eos_target, heads):
+    """A head-drafted DSBD engine with ``draft_in_step``: the next forest is drawn inside each verify step."""
+    return engine_pool.get("in_step_llm", lambda: start_spec_llm(tiny_eos_target, heads["speculators"], {},
+                                                                 knobs={"draft_in_step": True}))

@@ -24,14 +24,6 @@ pytestmark = pytest.mark.engine
 PICKLE = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc with a function (the probe below)
 
 
-@pytest.fixture(scope="module")
-def heads(tmp_path_factory, tiny_eos_target):
-    from eagle3_heads import LAYOUTS, write_tiny_head  # tests/eagle3_heads.py
-
-    root = tmp_path_factory.mktemp("eagle3-heads")
-    return {layout: write_tiny_head(tiny_eos_target, root / layout, layout) for layout in LAYOUTS}
-
-
 @pytest.fixture
 def head_llm(engine_pool, tiny_eos_target, heads):
     """A speculative DSBD engine (γ <= 3, W <= 8) drafting with a random speculators-layout head."""
@@ -303,13 +295,6 @@ def test_forest_attention_gives_the_draft_steps_logits(head_llm, monkeypatch):
         (diffs,) = head_llm.collective_rpc(_forest_check_result)
     assert len(diffs[1]) >= 3 * 4 and len(diffs[2]) >= 3 * 4, {k: len(v) for k, v in diffs.items()}
     assert max(diffs[1] + diffs[2]) < 1e-3, diffs
-
-
-@pytest.fixture
-def in_step_llm(engine_pool, tiny_eos_target, heads):
-    """A head-drafted DSBD engine with ``draft_in_step``: the next forest is drawn inside each verify step."""
-    return engine_pool.get("in_step_llm", lambda: start_spec_llm(tiny_eos_target, heads["speculators"], {},
-                                                                 knobs={"draft_in_step": True}))
 
 
 @pytest.fixture
