@@ -7,6 +7,7 @@ spaces to ``-``, a repeated heading gets ``-1``, ``-2``, ... Links inside fenced
 from __future__ import annotations
 
 import re
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,12 @@ def anchors(markdown: str) -> set[str]:
     return {a if n == 0 else f"{a}-{n}" for a, count in seen.items() for n in range(count)}
 
 
+@cache
+def _file_anchors(path: Path) -> frozenset[str]:
+    """A file's anchors, read and parsed once however many links point into it."""
+    return frozenset(anchors(path.read_text()))
+
+
 def broken_links(doc: Path) -> list[str]:
     broken = []
     for link in LINK.findall(FENCE.sub("", doc.read_text())):
@@ -41,7 +48,7 @@ def broken_links(doc: Path) -> list[str]:
         target = (doc.parent / path).resolve() if path else doc
         if not target.exists():
             broken.append(f"{link}: no file {target}")
-        elif anchor and target.suffix == ".md" and anchor not in anchors(target.read_text()):
+        elif anchor and target.suffix == ".md" and anchor not in _file_anchors(target):
             broken.append(f"{link}: no heading with that anchor in {target.name}")
     return broken
 

@@ -34,7 +34,7 @@ def test_fuzzed_batches_on_a_head_drafting_inside_the_verify_step(in_step_llm):
 
 def _assert_fuzzed_batches_pass(llm, examples: int) -> None:
     tally = Tally()
-    run_fuzz(Offline(llm, lambda llm: engine_metric(llm, "vllm:kv_cache_usage_perc")), examples, SEED, tally)
+    run_fuzz(Offline(llm, lambda engine: engine_metric(engine, "vllm:kv_cache_usage_perc")), examples, SEED, tally)
     assert tally.requests >= examples and tally.engine_deaths == 0 and tally.kv_leaks == 0
     outcomes = {outcome for (_, outcome), count in tally.outcomes.items() if count}
     assert {"answered", "refused"} <= outcomes  # the draws reach both sides
