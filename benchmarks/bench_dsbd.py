@@ -126,8 +126,8 @@ def run(args: argparse.Namespace) -> dict:
         if args.draft_dtype != "auto":
             knobs["draft_dtype"] = args.draft_dtype
         head = _is_head(draft)
-        if args.draft_in_step != "off" and head:  # a draft model drafts in draft steps (the knob is refused)
-            knobs["draft_in_step"] = True
+        if head:  # a draft model drafts in draft steps (the knob is refused)
+            knobs["draft_in_step"] = args.draft_in_step != "off"
         llm = LLM(**dsbd_engine_kwargs(target, draft, max(max(gammas), auto_max, 1), args.width, dtype.dtype,
                                        **knobs), disable_log_stats=False)
         # γ 0 runs no draft: the first engine's in-engine rows are every engine's baseline
@@ -326,9 +326,9 @@ def main() -> None:
     parser.add_argument("--draft-vocab-sizes", default="0",
                         help="draft_vocab_size of each engine, comma-separated (0: the whole vocabulary); "
                              "every engine runs every DSBD row against the first engine's in-engine rows")
-    parser.add_argument("--draft-in-step", choices=("off", "on", "both"), default="off",
+    parser.add_argument("--draft-in-step", choices=("off", "on", "both"), default="on",
                         help="the knob draft_in_step (an EAGLE-3 head drafts each forest inside the verify step "
-                             "before it); both: one engine with it, every fixed-depth DSBD row run with it and "
+                             "before it; on: the engine's default for a head on CPU); both: one engine with it, every fixed-depth DSBD row run with it and "
                              "without it (per request), in turn; a draft model's engine runs draft steps")
     parser.add_argument("--draft-temperature-scales", default="draft",
                         help="the knob draft_temperature_scale (the draft samples at T x this), comma-separated: "

@@ -319,8 +319,10 @@ def _dsbd_engine(s: Settings, **knobs):
                                                "num_speculative_tokens": s.num_speculative_tokens, **knobs})
 
 
+# The engine's default: with an EAGLE-3 head on CPU each later iteration is drafted inside the verify step
+# before it (draft_in_step), a request may turn that off; a draft model drafts in draft steps.
 BACKENDS["vllm-dsbd"] = _dsbd_engine
-# An EAGLE-3 head as the draft only: each later iteration is drafted inside the verify step before it.
+# An EAGLE-3 head as the draft only: the knob set, so a draft model or a GPU engine is refused.
 BACKENDS["vllm-dsbd-in-step"] = lambda s: _dsbd_engine(s, draft_in_step=True)
 
 
@@ -367,11 +369,11 @@ for _name, _description, _make in (
     method(_name, backend="vllm-dsbd", description=_description, needs_draft=True)(_make)
 
 
-def _mjsd(tau: float) -> Callable[[Any, Settings], GenerateFn]:
-    """An MJSD request (one sequence): K = W draft beams, γ, τ, temperature T."""
+def _mjsd(tau: float, **knobs) -> Callable[[Any, Settings], GenerateFn]:
+    """An MJSD request (one sequence): K = W draft beams, γ, τ, temperature T, ``knobs`` in ``extra_args``."""
 
     def make(llm, s: Settings) -> GenerateFn:
-        extra = {"decoder": "mjsd", "beam_width": s.beam_width, "mjsd_tau": tau}
+        extra = {"decoder": "mjsd", "beam_width": s.beam_width, "mjsd_tau": tau, **knobs}
         return lambda prompts, max_tokens: _vllm_generate(
             llm, prompts, _sampling_params(s, max_tokens, temperature=s.temperature, extra_args=extra))
 
@@ -381,6 +383,7 @@ def _mjsd(tau: float) -> Callable[[Any, Settings], GenerateFn]:
 MJSD_TAUS = (0.3, 0.5, 0.9)
 for _tau in MJSD_TAUS:
     method(f"mjsd-tau-{_tau}", backend="vllm-dsbd", needs_draft=True,
-           description=f"MJSD, one sequence: K = W draft beams, γ, τ = {_tau} (T)")(_mjsd(_tau))
+           description=f"MJSD, one sequence: K = W draft beams, γ, τ = {_tau} (T), drafting in draft steps"
+           )(_mjsd(_tau, draft_in_step=False))
     method(f"mjsd-in-step-tau-{_tau}", backend="vllm-dsbd-in-step", needs_draft=True,
            description=f"MJSD, τ = {_tau} (T), an EAGLE-3 head drafting inside the verify step")(_mjsd(_tau))

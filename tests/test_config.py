@@ -103,9 +103,11 @@ def test_a_request_may_turn_draft_in_step_off_but_not_on():
     assert engine.for_request({"draft_in_step": False}).draft_in_step is False
     assert engine.for_request({"draft_in_step": 0}).draft_in_step is False  # vllm_xargs' JSON false
     assert engine.for_request({"draft_in_step": True}).draft_in_step is True
-    with pytest.raises(ValueError, match=r"'draft_in_step'=true, but this engine drafts in draft steps: start it "
-                                         r"with draft_in_step in --speculative-config .* Allowed per request: false"):
-        DSBDConfig(num_speculative_tokens=2).for_request({"draft_in_step": True})
+    with pytest.raises(ValueError, match=r"'draft_in_step'=None is invalid; allowed: true or false"):
+        engine.for_request({"draft_in_step": None})
+    with pytest.raises(ValueError, match=r"'draft_in_step'=true, but this engine drafts in draft steps \(its draft "
+                                         r"is not an EAGLE-3 head .* Allowed per request: false"):
+        DSBDConfig(num_speculative_tokens=2, draft_in_step=False).for_request({"draft_in_step": True})
 
 
 @pytest.mark.parametrize("knobs, knob", [

@@ -103,7 +103,7 @@ def test_dsbd_with_a_draft_builds_a_speculative_engine(tiny_pair):
     assert config.scheduler_config.scheduler_cls == patches.ENGINE_CLASSES["scheduler_cls"]
     assert not config.cache_config.enable_prefix_caching
     assert DSBDConfig.from_vllm_config(config) == DSBDConfig(beam_width=8, num_speculative_tokens=3,
-                                                             width_threshold=0.5)
+                                                             width_threshold=0.5, draft_in_step=False)
 
 
 def test_gamma_too_large_for_max_model_len_is_refused(tiny_pair):
@@ -125,7 +125,7 @@ def test_dsbd_without_a_draft_installs_the_beam_engine(tiny_pair):
     assert config.parallel_config.worker_cls == patches.ENGINE_CLASSES["cpu_worker_cls"]
     assert not config.scheduler_config.async_scheduling
     assert DSBDConfig.from_vllm_config(config) == DSBDConfig(beam_width=8, num_speculative_tokens=0,
-                                                             length_penalty=0.5)
+                                                             length_penalty=0.5, draft_in_step=False)
 
 
 def test_other_engines_are_untouched(tiny_pair):
@@ -243,6 +243,45 @@ def test_a_heads_dsbd_json_sets_the_knobs_the_user_left_unset(tiny_pair, tmp_pat
     args = _head_engine_args(tiny_pair, tmp_path, **spec)
     (tmp_path / "speculators" / DRAFT_DEFAULTS_FILE).write_text('{"draft_temperature_scale": 0.75}')
     assert DSBDConfig.from_vllm_config(args.create_engine_config()).draft_temperature_scale == want
+
+
+@pytest.mark.parametrize("spec, want", [
+    ({}, True),  # unset: a head on a CPU engine drafts inside the verify step
+    ({"decoder": "mjsd"}, True),
+    ({"draft_in_step": False}, False),  # the user's value wins
+])
+def test_a_head_on_cpu_drafts_inside_the_verify_step_unless_told_not_to(tiny_pair, tmp_path, spec, want):
+    from vllm_dsbd.config import DSBDConfig
+
+    config = _head_engine_args(tiny_pair, tmp_path, **spec).create_engine_config()
+    assert DSBDConfig.from_vllm_config(config).draft_in_step is want
+
+
+def test_a_draft_model_or_no_draft_drafts_in_draft_steps(tiny_pair):
+    """Unset, ``draft_in_step`` is chosen off where it cannot run, and stored chosen (a request asking for it is
+    then refused by the engine's config)."""
+    from vllm_dsbd.config import DSBDConfig
+
+    assert DSBDConfig.from_vllm_config(_engine_args(tiny_pair, num_speculative_tokens=2).create_engine_config()
+                                       ).draft_in_step is False
+    args = _engine_args(tiny_pair, num_speculative_tokens=0)
+    del args.speculative_config["model"]
+    assert DSBDConfig.from_vllm_config(args.create_engine_config()).draft_in_step is False
+
+
+def test_a_head_off_cpu_drafts_in_draft_steps_and_refuses_draft_in_step(tiny_pair, tmp_path, monkeypatch):
+    """On another platform (only ``is_cpu`` is faked, for the head's preparation alone) an unset knob is chosen
+    off, and an explicit true is refused naming the knob."""
+    from vllm.platforms import current_platform
+
+    from vllm_dsbd.config import DSBDConfig
+    from vllm_dsbd.engine.patches.engine_config import prepare_eagle3_head
+
+    spec = _head_engine_args(tiny_pair, tmp_path, draft_in_step=False).create_engine_config().speculative_config
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    assert prepare_eagle3_head(spec, DSBDConfig(num_speculative_tokens=2)).draft_in_step is False
+    with pytest.raises(ValueError, match=r"'draft_in_step'=True runs on CPU engines only .* Set draft_in_step to false"):
+        prepare_eagle3_head(spec, DSBDConfig(num_speculative_tokens=2, draft_in_step=True))
 
 
 def test_a_heads_bad_dsbd_json_is_refused_at_engine_start(tiny_pair, tmp_path):

@@ -88,12 +88,13 @@ class DSBDConfig:
     """Engine-wide only: the dtype the draft model computes in (weights, activations, its KV cache);
     "auto" = the target's ``--dtype``. Any dtype keeps DSBD exact: q is whatever the draft samples from."""
 
-    draft_in_step: bool = False
-    """Experimental (needs an EAGLE-3 head): a DSBD iteration's forest (an MJSD iteration's draft beams) is
+    draft_in_step: bool | None = None
+    """With an EAGLE-3 head as the draft: a DSBD iteration's forest (an MJSD iteration's draft beams) is
     drafted inside the verify step before it (``engine.forest_draft``) instead of in draft steps of its own,
     after the first iteration of a request (with auto_depth, also inside a beam step; memory-efficient
-    requests from the one beam the verification kept). Turned on for the engine (it sets the head up for
-    it); a request may turn it off."""
+    requests from the one beam the verification kept). None (unset): on where it runs, an EAGLE-3 head on a
+    CPU engine, else off (``in_step_default``; the engine stores what it chose). True where it cannot run is
+    refused at engine start. Set for the engine (it sets the head up for it); a request may turn it off."""
 
     draft_temperature_scale: float = 1.0
     """At T > 0 the draft samples each layer at temperature T * this (below 1: sharper than the target).
@@ -115,7 +116,8 @@ class DSBDConfig:
         _check_bool("fixed_width", self.fixed_width)
         _check_bool("memory_efficient", self.memory_efficient)
         _check_bool("auto_depth", self.auto_depth)
-        _check_bool("draft_in_step", self.draft_in_step)
+        if self.draft_in_step is not None:  # None: the engine chooses (in_step_default)
+            _check_bool("draft_in_step", self.draft_in_step)
         _check_int("draft_vocab_size", self.draft_vocab_size, low=0)
         if self.draft_dtype not in DRAFT_DTYPES:
             raise ValueError(f"DSBD knob 'draft_dtype'={self.draft_dtype!r} is invalid; allowed: "
@@ -183,14 +185,16 @@ class DSBDConfig:
             raise ValueError(f"DSBD knob(s) {engine_only} are engine-wide: set them in --speculative-config "
                              f"(speculative_config=...), not per request.")
         overrides = {k: _request_bool(v) if k in BOOL_KNOBS else v for k, v in overrides.items()}
+        if "draft_in_step" in overrides:  # a request says which; unset (None) is the engine's choice alone
+            _check_bool("draft_in_step", overrides["draft_in_step"])
         if overrides.get("decoder", self.decoder) == "mjsd" and "draft_temperature_scale" not in overrides:
             # the engine's draft temperature scale is for its DSBD requests; MJSD draws at T itself
             overrides["draft_temperature_scale"] = 1.0
         merged = dataclasses.replace(self, **_known(overrides, "the request's extra_args (vllm_xargs)"))
         if merged.draft_in_step and not self.draft_in_step:
             raise ValueError("Request asks for DSBD knob 'draft_in_step'=true, but this engine drafts in draft "
-                             "steps: start it with draft_in_step in --speculative-config (speculative_config=...). "
-                             "Allowed per request: false.")
+                             "steps (its draft is not an EAGLE-3 head on a CPU engine, or it was started with "
+                             "draft_in_step false in --speculative-config). Allowed per request: false.")
         for knob in ("beam_width", "num_speculative_tokens"):
             if getattr(merged, knob) > getattr(self, knob):
                 raise ValueError(

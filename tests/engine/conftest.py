@@ -9,9 +9,10 @@ from beam_checks import start_permutation_llm, start_spec_llm  # tests/engine/be
 @pytest.fixture
 def permutation_llm(engine_pool, tiny_pair, tmp_path_factory):
     """A DSBD engine on a bigram target (next token = a permutation of the current one) with a head that
-    predicts it from the feature of the position before (as EAGLE-3 lays out its inputs)."""
+    predicts it from the feature of the position before (as EAGLE-3 lays out its inputs), drafting in draft
+    steps (``draft_in_step`` false)."""
     return engine_pool.get("permutation_llm", lambda: start_permutation_llm(
-        tiny_pair.target, tmp_path_factory.mktemp("permutation")))
+        tiny_pair.target, tmp_path_factory.mktemp("permutation"), knobs={"draft_in_step": False}))
 
 
 @pytest.fixture

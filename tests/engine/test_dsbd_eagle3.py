@@ -26,8 +26,10 @@ PICKLE = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc with a fun
 
 @pytest.fixture
 def head_llm(engine_pool, tiny_eos_target, heads):
-    """A speculative DSBD engine (γ <= 3, W <= 8) drafting with a random speculators-layout head."""
-    return engine_pool.get("head_llm", lambda: start_spec_llm(tiny_eos_target, heads["speculators"], PICKLE))
+    """A speculative DSBD engine (γ <= 3, W <= 8) drafting with a random speculators-layout head in draft steps
+    (``draft_in_step`` false; the engines started without the knob draft inside the verify step)."""
+    return engine_pool.get("head_llm", lambda: start_spec_llm(tiny_eos_target, heads["speculators"], PICKLE,
+                                                              knobs={"draft_in_step": False}))
 
 
 def _beams(width, gamma, max_tokens, temperature=0.0, **kw):
@@ -81,7 +83,11 @@ def test_lossless_speculative_beam_search_with_a_head(head_llm, tiny_eos_llm, wi
 
 
 def test_lossless_with_a_head_in_the_original_eagle3_layout(engine_pool, tiny_eos_target, tiny_eos_llm, heads):
+    """Started without ``draft_in_step``: a head on CPU drafts inside the verify step by default."""
+    from vllm_dsbd.config import DSBDConfig
+
     llm = engine_pool.get("head_eagle3_layout_llm", lambda: start_spec_llm(tiny_eos_target, heads["eagle3"], {}))
+    assert DSBDConfig.from_vllm_config(llm.llm_engine.vllm_config).draft_in_step is True
     want = beam_search(tiny_eos_llm, PROMPTS, 4, 10)
     _assert_same_search(want, llm.generate(PROMPTS, _beams(4, 2, 10), use_tqdm=False))
 
@@ -128,8 +134,8 @@ def test_no_kv_blocks_leak_with_a_head(head_llm):
 def test_a_head_trained_here_drafts_losslessly(engine_pool, tiny_eos_target, tiny_eos_llm, tmp_path_factory):
     """A head from ``vllm-dsbd train-drafter``'s code (a few steps on random teacher rows, exported in the
     speculators format without embeddings; two decoder layers, ``--head-layers 2``, and a norm on each aux
-    state, ``--fc-norm``) loads as a DSBD draft with both; T 0 stays vLLM's beam search. (One-layer heads
-    trained here: the shipped head's test on SmolLM2.)"""
+    state, ``--fc-norm``) loads as a DSBD draft with both and drafts inside the verify step (the default);
+    T 0 stays vLLM's beam search. (One-layer heads trained here: the shipped head's test on SmolLM2.)"""
     from eagle3_heads import fake_teacher_shards  # tests/eagle3_heads.py
 
     from vllm_dsbd.draft import eagle3_head

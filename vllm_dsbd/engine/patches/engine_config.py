@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Literal, get_args
 
@@ -141,7 +142,9 @@ def _speculative_method_flag() -> None:
 #            and the draft's ModelConfig takes the `draft_dtype` knob's dtype;
 #            a draft whose attention or KV heads do not split over the TP
 #            ranks is refused naming it (vLLM names no model, or fails in
-#            the workers' model load).
+#            the workers' model load); an unset `draft_in_step` is chosen
+#            (on for an EAGLE-3 head on a CPU engine) and the stored
+#            DSBDConfig rewritten with it, before any process reads it.
 #   remove-when: vLLM has an extension point for method-specific options and
 #            plugin-provided engine classes.
 # ---------------------------------------------------------------------------
@@ -170,7 +173,7 @@ def _dsbd_engine_config() -> None:
                              f"the tensor-parallel size: {words.group(0)}") from error
         if config.speculative_config is not None:
             check_draft_kv_heads(config.speculative_config)
-            prepare_eagle3_head(config.speculative_config, dsbd)
+            dsbd = prepare_eagle3_head(config.speculative_config, dsbd)
             check_same_vocabulary(config.speculative_config)
             set_draft_dtype(config.speculative_config, dsbd.draft_dtype)
             vocab = config.speculative_config.draft_model_config.get_vocab_size()
@@ -185,6 +188,9 @@ def _dsbd_engine_config() -> None:
                     f"DSBD knob 'num_speculative_tokens'={dsbd.num_speculative_tokens} does not fit "
                     f"max_model_len={max_model_len}; allowed: at most max_model_len - 2 = {max_model_len - 2}."
                 )
+        if dsbd.draft_in_step is None:  # no draft: nothing to draft inside the verify step
+            dsbd = dataclasses.replace(dsbd, draft_in_step=False)
+        config.additional_config[ADDITIONAL_CONFIG_KEY] = dsbd.to_dict()  # the knobs as the engine chose them
         return config
 
     EngineArgs.create_engine_config = _wrapped(original, create_engine_config)
@@ -294,26 +300,35 @@ def _install_dsbd_engine(args: Any, dsbd: DSBDConfig) -> None:
     args.additional_config = {**(args.additional_config or {}), ADDITIONAL_CONFIG_KEY: dsbd.to_dict()}
 
 
-def prepare_eagle3_head(config: Any, dsbd: DSBDConfig) -> None:
+def prepare_eagle3_head(config: Any, dsbd: DSBDConfig) -> DSBDConfig:
     """An EAGLE-3 head as the draft (``engine.eagle3``): it must fit the target (``check_head``), its rotary cache
     spans the target's max_model_len, as vLLM's "eagle3" method sizes it, and DSBD's ``draft_vocab_size`` is
-    refused (the head has its own vocabulary)."""
+    refused (the head has its own vocabulary). Returns ``dsbd`` with ``draft_in_step`` chosen where it is unset:
+    on for a head on a CPU engine (the only place it runs so far), off otherwise."""
     from vllm.config.speculative import SpeculativeConfig
+    from vllm.platforms import current_platform
 
     from vllm_dsbd.engine.eagle3 import check_head, head_architecture
 
     head = head_architecture(config.draft_model_config.hf_config)
     if dsbd.draft_in_step:
-        from vllm.platforms import current_platform
-
         if head is None:
             raise ValueError(f"DSBD knob 'draft_in_step'=True needs an EAGLE-3 head as the draft; "
                              f"{config.draft_model_config.model} is a causal LM. Set draft_in_step to false.")
         if not current_platform.is_cpu():
             raise ValueError("DSBD knob 'draft_in_step'=True runs on CPU engines only so far (its forest attention "
                              "reads vLLM's CPU KV layout). Set draft_in_step to false.")
+    elif dsbd.draft_in_step is None:
+        dsbd = dataclasses.replace(dsbd, draft_in_step=head is not None and current_platform.is_cpu())
+        if head is not None:
+            from vllm.logger import init_logger
+
+            init_logger(__name__).info(
+                "DSBD: the EAGLE-3 head drafts %s (draft_in_step=%s; set it in --speculative-config to choose)",
+                "inside the verify step" if dsbd.draft_in_step else "in draft steps: in-step drafting runs on "
+                "CPU engines only so far", dsbd.draft_in_step)
     if head is None:
-        return
+        return dsbd
     if dsbd.draft_vocab_size:
         raise ValueError(
             f"DSBD knob 'draft_vocab_size'={dsbd.draft_vocab_size} cuts a draft model's vocabulary, but the draft "
@@ -324,6 +339,7 @@ def prepare_eagle3_head(config: Any, dsbd: DSBDConfig) -> None:
                config.draft_model_config.model)
     SpeculativeConfig._maybe_override_draft_max_position_embeddings(
         config.draft_model_config.hf_config, config.target_model_config.max_model_len)
+    return dsbd
 
 
 def check_draft_kv_heads(config: Any) -> None:
