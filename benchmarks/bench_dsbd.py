@@ -79,11 +79,10 @@ WIDTHS = ("fixed", "dynamic", "memory-efficient")
 def _rows(gammas: list[int], temperature: float, auto: int, in_step: list[bool], scales: list[float | None],
           memory_efficient: bool = False) -> list[tuple[str, int, str, bool, bool, float | None]]:
     """(name, γ (the maximum with auto), width (``WIDTHS``), auto_depth, draft_in_step, draft_temperature_scale)
-    of every row; γ = 0 (the baseline) first. Every DSBD row comes once per ``in_step`` mode and, at T > 0, once
-    per draft temperature scale (None: the knob is not sent, the engine's value applies); memory-efficient
-    rows at T > 0 only with ``memory_efficient``."""
+    of every row; γ = 0 (the baseline) first. Every DSBD row comes once per ``in_step`` mode and once per draft
+    temperature scale (None: the knob is not sent, the engine's value applies; at T 0 it scales how the draft
+    ranks its candidates); memory-efficient rows at T > 0 only with ``memory_efficient``."""
     widths = ["fixed"] if temperature == 0 else [w for w in WIDTHS if memory_efficient or w != "memory-efficient"]
-    scales = scales if temperature > 0 else [1.0]
     rows = [("in-engine", 0, "fixed", False, False, 1.0)]
     for gamma in (g for g in gammas if g > 0):
         rows += [(f"dsbd-{width}", gamma, width, False, mode, scale)

@@ -98,7 +98,9 @@ class DSBDConfig:
 
     draft_temperature_scale: float = 1.0
     """At T > 0 the draft samples each layer at temperature T * this (below 1: sharper than the target).
-    Exact for any value: the target verifies against the distribution the draft drew from. A head that is
+    Exact for any value: the target verifies against the distribution the draft drew from. At T 0 the draft
+    ranks its candidates by beam score + its log-probs at temperature this (lossless for any value: the target
+    decides every layer). A head that is
     less confident than the target accepts more sharpened (docs/dsbd.md). Not for MJSD: an MJSD request
     draws at T whatever the engine's value (1 only, if it sets the knob). A draft's ``dsbd.json`` may
     recommend it (``draft_defaults``)."""

@@ -82,6 +82,16 @@ def test_lossless_speculative_beam_search_with_a_head(head_llm, tiny_eos_llm, wi
     _assert_same_search(want, head_llm.generate(PROMPTS, _beams(width, gamma, 10), use_tqdm=False))
 
 
+@pytest.mark.parametrize("engine", ["head_llm", "in_step_llm"])
+def test_lossless_with_a_head_whose_candidates_are_ranked_at_a_scaled_temperature(request, engine, tiny_eos_llm):
+    """T 0 with ``draft_temperature_scale`` 0.5 (the head ranks its candidates as if sharper), in draft steps
+    and inside the verify step: other drafts, vLLM's beam search's tokens."""
+    llm = request.getfixturevalue(engine)
+    want = beam_search(tiny_eos_llm, PROMPTS, 4, 10)
+    got = llm.generate(PROMPTS, _beams(4, 2, 10, extra={"draft_temperature_scale": 0.5}), use_tqdm=False)
+    _assert_same_search(want, got)
+
+
 def test_lossless_with_a_head_in_the_original_eagle3_layout(engine_pool, tiny_eos_target, tiny_eos_llm, heads):
     """Started without ``draft_in_step``: a head on CPU drafts inside the verify step by default."""
     from vllm_dsbd.config import DSBDConfig

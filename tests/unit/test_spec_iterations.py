@@ -225,6 +225,39 @@ def test_a_draft_sampled_at_another_temperature_keeps_dsbd_exact():
     assert_exact_fixed_width_sampling(target, draft, prompt, width, max_tokens, expected, draft_temperature_scale=0.5)
 
 
+def test_at_t0_the_draft_ranks_its_candidates_at_its_scaled_temperature():
+    """At T 0 a draft layer proposes the W best of beam score + log_softmax(z / scale): a scale below 1 lets a
+    confident beam's candidate overtake a flat beam's, as it would at scale 1 only with a sharper draft."""
+    from vllm_dsbd.engine.protocol import DraftStep
+
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])  # beam a: flat; beam b: leans to token 0
+    ds = DraftStep(group_id="g", beam_width=2, temperature=0.0, top_k=0, top_p=1.0, length_penalty=1.0,
+                   ignore_eos=True, eos_token_id=None, seed=1, step=0, layer=1, req_ids=("a", "b"), slots=(0, 1),
+                   scores=(0.0, -1.2), seq_len=4)
+    rows = {"a": 0, "b": 1}
+    for scale in (1.0, 0.25):
+        want = sorted(((score + float(torch.log_softmax(logits[p] / scale, -1)[t]), p, t)
+                       for p, score in enumerate(ds.scores) for t in range(4)), key=lambda c: -c[0])[:2]
+        decision, _ = draft_layer(logits, rows, dataclasses.replace(ds, draft_temperature_scale=scale))
+        assert sorted(zip(decision.parents, decision.tokens)) == sorted((p, t) for _, p, t in want)
+        assert sorted(decision.scores) == pytest.approx(sorted(c[0] for c in want))
+        assert (1 in decision.parents) == (scale == 0.25)  # at 0.25 beam b's token 0 (-1.255) beats a's (-1.386)
+
+
+@pytest.mark.parametrize("scale", [0.25, 3.0])
+def test_lossless_speculative_beam_search_with_a_rescaled_draft(scale):
+    """T = 0 with ``draft_temperature_scale``: other nodes are proposed, the same tokens come out."""
+    target = eos_prone(6, 6)
+    draft = perturbed_draft(target, 0.7, seed=106)
+    prompt = [1, 2]
+    ref = beam_search(target, [prompt], DecodeParams(beam_width=3, temperature=0.0, max_tokens=7, eos_token_id=0,
+                                                     num_speculative_tokens=0))[0]
+    ours = run_dsbd(target, draft, prompt, params(beam_width=3, n=3, max_tokens=7, num_speculative_tokens=3,
+                                                  draft_temperature_scale=scale))
+    assert [h.tokens for h in ours] == [h.token_ids for h in ref]
+    assert [h.cum_score for h in ours] == pytest.approx([h.cum_logprob for h in ref], abs=1e-6)
+
+
 def test_memory_efficient_mode_carries_one_beam_between_iterations():
     """W_out = 1: after every verification the group holds exactly one live request."""
     target = random_markov(5, order=2, seed=3)

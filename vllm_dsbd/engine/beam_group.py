@@ -85,7 +85,7 @@ class BeamParams:
     stop_token_ids: tuple[int, ...] = ()  # SamplingParams.stop_token_ids: finish like EOS, even with ignore_eos
     stop: tuple[str, ...] = ()  # SamplingParams.stop: a beam whose generated text reaches one finishes like EOS
     mjsd_tau: float | None = None  # MJSD (algorithm.mjsd): one sequence, K = beam_width draft beams; None: DSBD
-    draft_temperature_scale: float = 1.0  # T > 0: the draft samples at temperature * this
+    draft_temperature_scale: float = 1.0  # the draft's temperature is temperature * this (T 0: this)
 
     @property
     def finishing_token(self) -> int | None:

@@ -60,7 +60,7 @@ class GroupDecoding:
     VerifyStep: of each root slot) or of each parent node (DraftStep: unused)."""
     seed: int  # with `step`, seeds the group's generator (the same on every tensor-parallel rank)
     step: int  # the group's beam step (GroupStep) or DSBD iteration (DraftStep, VerifyStep)
-    draft_temperature_scale: float = field(default=1.0, kw_only=True)  # T > 0: the draft samples at T * this
+    draft_temperature_scale: float = field(default=1.0, kw_only=True)  # the draft's temperature is T * this (T 0: this)
 
 
 @dataclass(frozen=True)

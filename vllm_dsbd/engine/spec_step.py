@@ -89,7 +89,8 @@ class DraftStore:
 def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, support: Tensor | None = None,
                 vocab_size: int | None = None) -> tuple[DraftDecision, Tensor | None]:
     """The W nodes of draft layer ``ds.layer`` and, for ``T > 0``, the joint ``Q`` they were drawn from (the
-    draft's logits tempered by ``T * ds.draft_temperature_scale``).
+    draft's logits tempered by ``T * ds.draft_temperature_scale``). At T 0: the W best of beam score + the
+    draft's log-probs at temperature ``ds.draft_temperature_scale``, by vLLM's beam-search rule.
 
     logits: [num_rows, V] draft logits of this step's rows. support: the ascending token ids the draft can
     propose (every other logit is -inf: an EAGLE-3 head's draft vocabulary, ``draft_vocab_size``), or None
@@ -122,7 +123,8 @@ def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, suppor
         tokens = columns_drawn if support is None else support[columns_drawn]  # token ids
         return DraftDecision(ds.group_id, parents.tolist(), tokens.tolist(), new_scores.tolist()), q[0]
     lp = torch.zeros((width, vocab))
-    lp[slots] = torch.log_softmax(parent_logits, dim=-1)
+    scale = ds.draft_temperature_scale
+    lp[slots] = torch.log_softmax(parent_logits if scale == 1 else parent_logits / scale, dim=-1)
     step = beam_search_step(lp[None], scores, valid, torch.tensor([ds.seq_len]), width, ds.eos_token_id,
                             torch.tensor([ds.ignore_eos]), torch.tensor([ds.length_penalty], dtype=torch.float64),
                             ds.stop_token_ids)
