@@ -93,17 +93,17 @@ class DSBDConfig:
     drafted inside the verify step before it (``engine.forest_draft``) instead of in draft steps of its own,
     after the first iteration of a request (with auto_depth, also inside a beam step; memory-efficient
     requests from the one beam the verification kept). None (unset): on where it runs, an EAGLE-3 head on a
-    CPU engine, else off (``in_step_default``; the engine stores what it chose). True where it cannot run is
-    refused at engine start. Set for the engine (it sets the head up for it); a request may turn it off."""
+    CPU engine, else off (chosen at engine start by ``engine.patches.engine_config.prepare_eagle3_head``, and
+    stored chosen). True where it cannot run is refused at engine start. Set for the engine (it sets the head
+    up for it); a request may turn it off."""
 
     draft_temperature_scale: float = 1.0
     """At T > 0 the draft samples each layer at temperature T * this (below 1: sharper than the target).
     Exact for any value: the target verifies against the distribution the draft drew from. At T 0 the draft
     ranks its candidates by beam score + its log-probs at temperature this (lossless for any value: the target
-    decides every layer). A head that is
-    less confident than the target accepts more sharpened (docs/dsbd.md). Not for MJSD: an MJSD request
-    draws at T whatever the engine's value (1 only, if it sets the knob). A draft's ``dsbd.json`` may
-    recommend it (``draft_defaults``)."""
+    decides every layer). A head that is less confident than the target accepts more sharpened (docs/dsbd.md).
+    Not for MJSD: an MJSD request draws at T whatever the engine's value (1 only, if it sets the knob). A
+    draft's ``dsbd.json`` may recommend it (``draft_defaults``)."""
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, low=1)
@@ -118,7 +118,7 @@ class DSBDConfig:
         _check_bool("fixed_width", self.fixed_width)
         _check_bool("memory_efficient", self.memory_efficient)
         _check_bool("auto_depth", self.auto_depth)
-        if self.draft_in_step is not None:  # None: the engine chooses (in_step_default)
+        if self.draft_in_step is not None:  # None: the engine chooses at start
             _check_bool("draft_in_step", self.draft_in_step)
         _check_int("draft_vocab_size", self.draft_vocab_size, low=0)
         if self.draft_dtype not in DRAFT_DTYPES:
