@@ -327,8 +327,9 @@ def main() -> None:
                              "every engine runs every DSBD row against the first engine's in-engine rows")
     parser.add_argument("--draft-in-step", choices=("off", "on", "both"), default="on",
                         help="the knob draft_in_step (an EAGLE-3 head drafts each forest inside the verify step "
-                             "before it; on: the engine's default for a head on CPU); both: one engine with it, every fixed-depth DSBD row run with it and "
-                             "without it (per request), in turn; a draft model's engine runs draft steps")
+                             "before it; on: the engine's default for a head on CPU); both: one engine with it, "
+                             "every fixed-depth DSBD row run with it and without it (per request), in turn; a draft "
+                             "model's engine runs draft steps")
     parser.add_argument("--draft-temperature-scales", default="draft",
                         help="the knob draft_temperature_scale (the draft samples at T x this), comma-separated: "
                              "every DSBD row at T > 0 once per value, in turn; 'draft': the knob not sent, the "

@@ -123,8 +123,7 @@ def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, suppor
         tokens = columns_drawn if support is None else support[columns_drawn]  # token ids
         return DraftDecision(ds.group_id, parents.tolist(), tokens.tolist(), new_scores.tolist()), q[0]
     lp = torch.zeros((width, vocab))
-    scale = ds.draft_temperature_scale
-    lp[slots] = torch.log_softmax(parent_logits if scale == 1 else parent_logits / scale, dim=-1)
+    lp[slots] = tempered_logprobs(parent_logits, ds.draft_temperature_scale)  # T 0: the scale ranks the draft
     step = beam_search_step(lp[None], scores, valid, torch.tensor([ds.seq_len]), width, ds.eos_token_id,
                             torch.tensor([ds.ignore_eos]), torch.tensor([ds.length_penalty], dtype=torch.float64),
                             ds.stop_token_ids)
