@@ -26,7 +26,8 @@ the draft nodes proposed and accepted, and the beam layers produced and
 their widths: ``tokens_per_target_forward`` (beam layers per iteration) and
 ``mean_beam_width`` are the engine's ``vllm:dsbd_*`` metrics; ``step_profile`` is
 the runner's time per step kind (draft / verify / beam steps: worker seconds,
-model forward and logits, DSBD decisions) and ``wall_per_forward`` the row's
+model forward and logits, DSBD decisions, of them the next forests drawn in the
+step) and ``wall_per_forward`` the row's
 wall time over the model forwards it contains. ``forward_bound_speedup`` is
 the speedup the row would have if nothing but its model forwards took time
 (the baseline's forward seconds over the row's): the ceiling that removing
@@ -255,7 +256,8 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft,
             for kind, p in sorted(profile.items()):
                 print(f"         {kind:7s} steps {p['steps']:4.0f}  tokens/step {p['tokens'] / p['steps']:6.1f}  "
                       f"ms/step {1e3 * p['step_s'] / p['steps']:7.1f}  forward {1e3 * p['forward_s'] / p['steps']:7.1f}"
-                      f"  decide {1e3 * p['decide_s'] / p['steps']:6.1f}", flush=True)
+                      f"  decide {1e3 * p['decide_s'] / p['steps']:6.1f}"
+                      f"  drafting in it {1e3 * p.get('draft_s', 0.0) / p['steps']:6.1f}", flush=True)
     return rows
 
 

@@ -334,17 +334,22 @@ def _generate_counting_draft_steps(llm, prompts, params) -> tuple[list, int]:
 def test_only_a_requests_first_iteration_takes_draft_steps_when_drafting_inside_the_verify_step(in_step_llm):
     """Every later forest is drawn in the verify step before it: at most γ draft steps per request. A request
     that turns the knob off drafts in draft steps (γ per iteration, 4 iterations or more), to the same beams
-    at T 0."""
+    at T 0. The step profile counts the drawing as part of the verify steps' decisions, and none without it."""
     def run(**extra):
-        before = _steps(in_step_llm)
+        before = in_step_llm.collective_rpc("dsbd_step_profile")[0]
         outs = in_step_llm.generate(PROMPTS, _beams(4, 2, 12, ignore_eos=True, extra=extra), use_tqdm=False)
-        after = _steps(in_step_llm)
-        return outs, [after.get(k, 0) - before.get(k, 0) for k in ("draft", "verify")]
+        after = in_step_llm.collective_rpc("dsbd_step_profile")[0]
+        return outs, {kind: {k: v - before.get(kind, {}).get(k, 0.0) for k, v in p.items()}
+                      for kind, p in after.items()}
 
-    outs, (drafts, verifies) = run()
-    assert drafts <= 2 * len(PROMPTS) and verifies >= 12 // 3, (drafts, verifies)
-    off, (drafts_off, _) = run(draft_in_step=False)
+    outs, profile = run()
+    drafts, verify = profile.get("draft", {}).get("steps", 0), profile["verify"]
+    assert drafts <= 2 * len(PROMPTS) and verify["steps"] >= 12 // 3, (drafts, verify)
+    assert 0 < verify["draft_s"] < verify["decide_s"], verify
+    off, profile_off = run(draft_in_step=False)
+    drafts_off = profile_off.get("draft", {}).get("steps", 0)
     assert drafts_off > 2 * len(PROMPTS), drafts_off  # 23 here: γ per iteration, the prompts batched
+    assert sum(p["draft_s"] for p in profile_off.values()) == 0, profile_off
     assert [[list(c.token_ids) for c in o.outputs] for o in off] == [[list(c.token_ids) for c in o.outputs]
                                                                      for o in outs]
 

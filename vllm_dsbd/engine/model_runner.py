@@ -307,7 +307,8 @@ class DSBDModelRunnerMixin:
                 discard[i] = True
         self._dsbd_result = result
         self._dsbd_digest.update(pickle.dumps(dataclasses.replace(result, timings={})))
-        self._dsbd_profile.decided(time.perf_counter() - decide_start)
+        self._dsbd_profile.decided(time.perf_counter() - decide_start,
+                                   sum(t.draft_seconds for t in result.timings.values()))
         return sampler_output
 
     def _sample_last_rows(self, logits, metadata):
@@ -377,13 +378,14 @@ class StepProfile:
     verifying at least one forest), ``beam`` (a target step with beam steps), ``other`` (plain requests,
     prompts). A step is timed from ``execute_model`` to the end of ``sample_tokens``; ``forward`` is
     the model's forward and logits, ``decide`` DSBD's decisions from the logits (beam steps, draft
-    layers, verification). A few ``perf_counter`` calls per step."""
+    layers, verification), ``draft`` the part of ``decide`` that drew next forests inside the step
+    (``draft_in_step``). A few ``perf_counter`` calls per step."""
 
-    FIELDS = ("steps", "tokens", "step_s", "forward_s", "decide_s")
+    FIELDS = ("steps", "tokens", "step_s", "forward_s", "decide_s", "draft_s")
 
     def __init__(self) -> None:
         self._totals: dict[str, list[float]] = {}
-        self._current: list | None = None  # [kind, tokens, start, forward_s, decide_s]
+        self._current: list | None = None  # [kind, tokens, start, forward_s, decide_s, draft_s]
 
     def start(self, plan: StepPlan | None, num_tokens: int) -> None:
         if plan is None:
@@ -392,7 +394,7 @@ class StepProfile:
             kind = "draft"
         else:
             kind = "verify" if plan.verify_steps else ("beam" if plan.groups else "other")
-        self._current = [kind, num_tokens, time.perf_counter(), 0.0, 0.0]
+        self._current = [kind, num_tokens, time.perf_counter(), 0.0, 0.0, 0.0]
 
     def timed_forward(self, fn):
         def timed(*args, **kwargs):
@@ -404,17 +406,19 @@ class StepProfile:
                     self._current[3] += time.perf_counter() - start
         return timed
 
-    def decided(self, seconds: float) -> None:
+    def decided(self, seconds: float, drafting: float = 0.0) -> None:
+        """``seconds`` of decisions in this step, ``drafting`` of them drawing next forests."""
         if self._current is not None:
             self._current[4] += seconds
+            self._current[5] += drafting
 
     def finish(self) -> None:
         if self._current is None:
             return
-        kind, tokens, start, forward, decide = self._current
+        kind, tokens, start, forward, decide, drafting = self._current
         self._current = None
         totals = self._totals.setdefault(kind, [0.0] * len(self.FIELDS))
-        for i, v in enumerate((1, tokens, time.perf_counter() - start, forward, decide)):
+        for i, v in enumerate((1, tokens, time.perf_counter() - start, forward, decide, drafting)):
             totals[i] += v
 
     def totals(self) -> dict[str, dict[str, float]]:
