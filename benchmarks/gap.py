@@ -13,7 +13,7 @@ its temperature, in the same run. These numbers per row answer "what would close
   accelerator whose forward does not grow with its rows, and decisions as cheap): the ceiling that the
   tokens per target forward alone set;
 - ``draft_per_beam_step``: the draft's work per verify step (its draft steps and the next forests drawn
-  inside verify steps, ``draft_in_step``) over a beam step: issue #27 asks at most 0.1 of a head;
+  inside verify steps, ``draft_in_step``) over a beam step: issue #27 asks at most 0.1 for a head;
 - ``layers_factor``: at today's step costs, how many times the beam layers each verify step yields would
   have to grow to reach the goal (``None``: unreachable by acceptance alone, the row's other time
   already exceeds the goal's wall time); with ``--batch 1``, ``verify_layers`` is what a verify step
