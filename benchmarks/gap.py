@@ -78,7 +78,7 @@ def _rest(p: dict[str, float]) -> float:
 
 
 def _ms(step: dict[str, float]) -> dict[str, float]:
-    """A decode step's seconds as milliseconds: the step, its forward, its decisions and the rest."""
+    """A step's seconds as milliseconds: the step, its forward, its decisions and the rest."""
     return {"step": 1e3 * step["step_s"], "forward": 1e3 * step["forward_s"], "decide": 1e3 * step["decide_s"],
             "rest": 1e3 * _rest(step)}
 
@@ -109,10 +109,10 @@ def gap(row: dict, base_wall: float, step: dict[str, float], goal: float, one_at
 
     budget = base_wall / goal - (wall - verify["step_s"])  # what the verify steps may take at the goal
     reachable = n > 0 and budget > 0
-
-    def per_step(seconds: float) -> float | None:  # milliseconds per verify step
-        return 1e3 * seconds / n if n else None
-
+    verify_ms = dict.fromkeys(("step", "forward", "decide", "drafting", "rest"))  # None without verify steps
+    if n:
+        verify_ms.update(_ms({k: verify[k] / n for k in FIELDS if k != "steps"}),
+                         drafting=1e3 * verify["draft_s"] / n if recorded else None)
     return {
         "method": row["method"], "temperature": row["temperature"], "gamma": row["gamma"],
         "draft": row.get("draft"), "draft_in_step": row.get("draft_in_step"),
@@ -121,10 +121,7 @@ def gap(row: dict, base_wall: float, step: dict[str, float], goal: float, one_at
         "seconds": seconds, "verify_steps": n,
         "verify_seconds": {"forward": verify["forward_s"], "decisions": verify["decide_s"] - verify["draft_s"],
                            "drafting": verify["draft_s"], "rest": _rest(verify)},
-        "verify_ms": {"step": per_step(verify["step_s"]), "forward": per_step(verify["forward_s"]),
-                      "decide": per_step(verify["decide_s"]),
-                      "drafting": per_step(verify["draft_s"]) if recorded else None,
-                      "rest": per_step(_rest(verify))},
+        "verify_ms": verify_ms,
         # the draft's work per verify step: its draft steps (a prompt's head KV included) and its in-step drafting
         "draft_per_beam_step": ((seconds.get("draft", 0.0) + verify["draft_s"]) / n / step["step_s"]
                                 if n and (recorded or not row.get("draft_in_step")) else None),
@@ -144,20 +141,18 @@ def gap(row: dict, base_wall: float, step: dict[str, float], goal: float, one_at
 def analyse(result: dict, goals: dict[str, float]) -> dict:
     """Every DSBD row of a ``bench_dsbd`` result against the in-engine row of its temperature."""
     rows = result["results"]
+    one_at_a_time = str(result["settings"].get("batch", "1")).startswith("1")
     out = []
     for temperature in sorted({r["temperature"] for r in rows}):
         baseline = next(r for r in rows if r["temperature"] == temperature and r["gamma"] == 0)
         prompts = prompt_totals(rows, temperature)
         step = beam_step(baseline, prompts)
-        base_seconds = {"beam": baseline["step_profile"]["beam"]["step_s"]}
-        base_seconds["host"] = baseline["wall_s"] - base_seconds["beam"]
-        if prompts is not None:
-            base_seconds = {"other": prompts["step_s"], "beam": base_seconds["beam"] - prompts["step_s"],
-                            "host": base_seconds["host"]}
+        beam_s = baseline["step_profile"]["beam"]["step_s"]
+        host_s = baseline["wall_s"] - beam_s
+        base_seconds = ({"beam": beam_s, "host": host_s} if prompts is None  # else the prompt steps apart
+                        else {"other": prompts["step_s"], "beam": beam_s - prompts["step_s"], "host": host_s})
         out.append({"method": "in-engine", "temperature": temperature, "gamma": 0, "speedup": 1.0,
-                    "seconds": base_seconds, "beam_ms": _ms(step),
-                    "prompts_separated": prompts is not None})
-        one_at_a_time = str(result["settings"].get("batch", "1")).startswith("1")
+                    "seconds": base_seconds, "beam_ms": _ms(step), "prompts_separated": prompts is not None})
         out += [gap(r, baseline["wall_s"], step, goals[goal_kind(r)], one_at_a_time)
                 for r in rows if r["temperature"] == temperature and r["gamma"]]
     return {"benchmark": "gap", "source": result.get("benchmark", "dsbd"), "settings": result["settings"],
