@@ -54,6 +54,10 @@ DRAFT_DEFAULT_KNOBS = ("draft_temperature_scale",)
 #: platforms run a model in.
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
+MAX_DRAFT_LAYERS = 999
+"""The deepest draft: layer i draws from a random stream of its own, below the verification's
+(``engine.streams.MAX_DRAFT_LAYERS``, checked equal by the tests)."""
+
 
 @dataclass(frozen=True)
 class DSBDConfig:
@@ -107,7 +111,8 @@ class DSBDConfig:
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, low=1)
-        _check_int("num_speculative_tokens", self.num_speculative_tokens, low=0)
+        # each draft layer has a random stream of its own below the verification's (engine/streams.py)
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, low=0, high=MAX_DRAFT_LAYERS)
         _check_int("min_width", self.min_width, low=1)
         if self.min_width > self.beam_width:
             raise ValueError(
@@ -256,9 +261,10 @@ def _known(values: Mapping[str, Any], where: str) -> dict[str, Any]:
     return dict(values)
 
 
-def _check_int(name: str, value: Any, *, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"DSBD knob '{name}'={value!r} is invalid; allowed: an integer >= {low}.")
+def _check_int(name: str, value: Any, *, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        allowed = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
+        raise ValueError(f"DSBD knob '{name}'={value!r} is invalid; allowed: {allowed}.")
 
 
 def _check_float(name: str, value: Any, *, low: float, high: float, low_open: bool) -> None:

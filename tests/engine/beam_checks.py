@@ -129,6 +129,59 @@ def assert_distributed_as_beam_sampling(outs, target_path, width, max_tokens, to
     assert chi2_pvalue(samples, wrong) < 1e-3
 
 
+def sample_with_acceptances(llm, prompt: str, params: list, min_acceptance: float = 0.3) -> list:
+    """``llm``'s outputs for ``params`` on ``prompt``, checking that drafts were accepted: the share of proposed
+    draft nodes accepted (vLLM's spec-decode counters) is at least ``min_acceptance``. A distribution test
+    whose drafts are all rejected checks only the residual, which is then the target itself."""
+    names = {k: f"vllm:spec_decode_num_{k}" for k in ("draft_tokens", "accepted_tokens")}
+    before = {k: engine_metric(llm, n) for k, n in names.items()}
+    outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    after = {k: engine_metric(llm, n) - before[k] for k, n in names.items()}
+    acceptance = after["accepted_tokens"] / max(after["draft_tokens"], 1)
+    assert acceptance >= min_acceptance, f"only {acceptance:.2f} of {after['draft_tokens']:.0f} draft nodes accepted"
+    return outs
+
+
+def beam_sampling_pvalue(outs, target_path, width, max_tokens, top_k) -> float:
+    """The chi-square p-value of the sets of returned sequences (ignore_eos, T = 1) against exact beam sampling."""
+    samples = [tuple(sorted(tuple(c.token_ids) for c in o.outputs)) for o in outs]
+    expected = exact_beam_sampling(_hf_logits_fn(target_path), tuple(outs[0].prompt_token_ids), width, max_tokens,
+                                   top_k=top_k, ignore_eos=True)
+    return chi2_pvalue(samples, expected)
+
+
+def plant_draft_joint_at_another_temperature(monkeypatch, scale: float = 1.0) -> None:
+    """A planted bug in the engine path: the runner keeps, for verification, the draft joint at draft
+    temperature scale ``scale`` rather than the one the draft layer drew its nodes from."""
+    import dataclasses
+
+    from vllm_dsbd.engine import spec_step
+
+    original = spec_step.draft_layer
+
+    def planted(logits, row_of, ds, support=None, vocab_size=None):
+        decision, joint = original(logits, row_of, ds, support, vocab_size)
+        if joint is not None:
+            _, joint = original(logits, row_of, dataclasses.replace(ds, draft_temperature_scale=scale), support,
+                                vocab_size)
+        return decision, joint
+
+    monkeypatch.setattr(spec_step, "draft_layer", planted)
+
+
+def plant_beam_steps_on_the_draft_layers_streams(monkeypatch) -> None:
+    """A planted bug in the engine path (the one fixed-width DSBD had): a beam step at iteration s draws from
+    the generator iteration 0's draft layer s drew from."""
+    from vllm_dsbd.engine import beam_step
+
+    def old(seed, step, device="cpu"):
+        g = torch.Generator(device=device)
+        g.manual_seed((seed * 1_000_003 + step) % (2**63 - 1))
+        return g
+
+    monkeypatch.setattr(beam_step, "group_generator", old)
+
+
 def assert_kv_freed_after_finish_and_abort(llm, finished_params, aborted_params, prefix: str) -> None:
     """KV usage is 0 after ``finished_params`` ran on every prompt, and after requests made from
     ``aborted_params(i)`` held KV and were aborted mid-generation."""

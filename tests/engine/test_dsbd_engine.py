@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pytest
 from beam_checks import (  # tests/engine/beam_checks.py
-    EOS, PROMPTS, assert_distributed_as_beam_sampling, assert_kv_freed_after_finish_and_abort,
-    beam_search, engine_metric, start_spec_llm)
+    EOS, PROMPTS, assert_kv_freed_after_finish_and_abort, beam_search, beam_sampling_pvalue, engine_metric,
+    plant_beam_steps_on_the_draft_layers_streams, plant_draft_joint_at_another_temperature,
+    sample_with_acceptances, start_spec_llm)
 
 pytestmark = pytest.mark.engine
 
@@ -64,23 +65,38 @@ def _assert_lossless_on_smollm2(llm, target_llm, width, gamma):
             [s.cum_logprob for s in w.sequences], abs=1e-3)
 
 
-def test_fixed_width_dsbd_is_distributed_as_beam_sampling(dsbd_tiny_spec_llm, tiny_eos_target):
-    """T > 0, fixed width, top-k on the joint: 2,000 seeded DSBD requests (γ = 2) against exact enumeration
-    of beam sampling (the distribution in-engine beam sampling is checked against too); the same samples
-    reject beam sampling with uniform parent weights (a planted bug)."""
-    prompt = "The capital of France is"
-    width, max_tokens, top_k = 2, 3, 3
-    params = [_beam_request(width, 2, max_tokens, temperature=1.0, top_k=top_k, ignore_eos=True, seed=seed,
-                            extra={"fixed_width": True}) for seed in range(2000)]
-    outs = dsbd_tiny_spec_llm.generate([prompt] * len(params), params, use_tqdm=False)
-    assert_distributed_as_beam_sampling(outs, tiny_eos_target, width, max_tokens, top_k)
-
-
 @pytest.fixture
 def self_draft_llm(engine_pool, tiny_eos_target):
-    """The draft is the target itself; the engine core runs in this process (its scheduler is inspected)."""
+    """The draft is the target itself; the engine core runs in this process (its scheduler is inspected, and
+    planted bugs reach its runner)."""
     return engine_pool.get("self_draft_llm", lambda: start_spec_llm(
         tiny_eos_target, tiny_eos_target, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
+
+
+def _sharpened_self_draft_requests(num: int = 2000) -> list:
+    """Fixed-width T 1 requests (W 2, γ 2, 3 tokens, top-k 3 on the joint) whose draft is the target sampled at
+    half its temperature: it agrees often but not always, so layers pass, fail after acceptances (residual
+    draws beside accepted drafts) and end in beam steps."""
+    return [_beam_request(2, 2, 3, temperature=1.0, top_k=3, ignore_eos=True, seed=seed,
+                          extra={"fixed_width": True, "draft_temperature_scale": 0.5}) for seed in range(num)]
+
+
+def test_fixed_width_dsbd_with_accepted_drafts_is_distributed_as_beam_sampling(self_draft_llm, tiny_eos_target):
+    """2,000 seeded requests of a draft that is accepted about nine times in ten: the sets of returned
+    sequences follow exact beam sampling (chi-square against enumeration over Hugging Face logits)."""
+    outs = sample_with_acceptances(self_draft_llm, PROMPTS[0], _sharpened_self_draft_requests(), min_acceptance=0.7)
+    assert beam_sampling_pvalue(outs, tiny_eos_target, 2, 3, 3) > 1e-3
+
+
+@pytest.mark.parametrize("plant", [plant_draft_joint_at_another_temperature, plant_beam_steps_on_the_draft_layers_streams],
+                         ids=["draft-joint-at-another-temperature", "beam-step-on-a-draft-layers-stream"])
+def test_the_accepted_drafts_check_rejects_a_bug_planted_in_the_engine(self_draft_llm, tiny_eos_target, plant,
+                                                                       monkeypatch):
+    """The same check on an engine whose runner keeps the wrong draft joint, or whose beam steps redraw a draft
+    layer's uniforms (fixed-width DSBD had that bug: the check failed with p ~ 1e-8 to 1e-150)."""
+    plant(monkeypatch)
+    outs = sample_with_acceptances(self_draft_llm, PROMPTS[0], _sharpened_self_draft_requests())
+    assert beam_sampling_pvalue(outs, tiny_eos_target, 2, 3, 3) < 1e-3
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

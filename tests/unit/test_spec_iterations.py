@@ -115,6 +115,22 @@ def test_lossless_speculative_beam_search_equals_vllm_beam_search(width, gamma, 
         assert all(t[2] == t[3] for t in trace)
 
 
+def test_an_iteration_restarted_after_preemption_is_verified_with_its_own_draft_layers():
+    """Preemption restarts a group's iteration (same step) without telling the runner: a restart that drafts
+    fewer layers than before must not be verified with (or refused over) the stale deeper joints."""
+    store = DraftStore()
+    old = [torch.full((8,), 0.125), torch.full((8,), 0.125)]
+    store.put("g", 5, 1, old[0])
+    store.put("g", 5, 2, old[1])  # preempted here: the iteration restarts with one layer
+    new = torch.arange(8.0) / 28
+    store.put("g", 5, 1, new)
+    joints, support = store.take("g", 5, 1)
+    assert torch.equal(joints, new[None]) and support is None and len(store) == 0
+    store.put("g", 6, 1, new)
+    with pytest.raises(RuntimeError, match="iteration 6 layers \\[1\\], verifying iteration 6 with 2 layers"):
+        store.take("g", 6, 2)  # a real mismatch is still refused
+
+
 def test_draft_equal_to_target_passes_every_layer():
     target = random_markov(5, order=2, seed=9)
     trace = []
@@ -363,3 +379,22 @@ def test_a_draft_vocabulary_is_checked_against_the_drafts_logits():
     logits[1, 7] = 0.0
     with pytest.raises(RuntimeError, match="outside its draft vocabulary of 4 .*token 7"):
         check_support(logits, support)
+
+
+def test_every_random_stream_of_a_request_is_its_own():
+    """A request's draft layers, verifications and beam steps draw from distinct generators at every
+    iteration: a beam step that redrew a draft layer's uniforms made fixed-width DSBD inexact."""
+    from vllm_dsbd.config import MAX_DRAFT_LAYERS
+    from vllm_dsbd.engine import beam_step, spec_step, streams
+
+    assert MAX_DRAFT_LAYERS == streams.MAX_DRAFT_LAYERS
+    seen = {}
+    for step in range(40):
+        for purpose, g in [(("beam", step), beam_step.group_generator(7, step)),
+                           (("verify", step), spec_step.generator(7, step, spec_step.VERIFY_SALT))] + [
+                (("draft", step, layer), spec_step.generator(7, step, layer)) for layer in range(1, 9)]:
+            first = tuple(torch.rand(4, generator=g).tolist())
+            assert first not in seen, f"{purpose} draws what {seen[first]} draws"
+            seen[first] = purpose
+    with pytest.raises(ValueError, match="salt"):
+        streams.generator(7, 0, streams.STEP_STRIDE)

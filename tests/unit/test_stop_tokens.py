@@ -199,3 +199,17 @@ def test_fixed_width_dsbd_with_a_stop_string_is_distributed_as_beam_sampling():
     assert chi2_pvalue(samples, expected) > 1e-3
     wrong = exact_beam_sampling(target, tuple(prompt), width, max_tokens, eos=3, uniform_parents=True)
     assert chi2_pvalue(samples, wrong) < 1e-3
+
+
+def test_the_runners_stop_checker_cache_keeps_the_most_recently_used_sets_only():
+    """A server sees a new stop set with every request that brings one: the cache stays bounded (LRU)."""
+    from vllm_dsbd.engine.stops import StopCheckers
+
+    checkers = StopCheckers(lambda: toy_decode, max_checkers=3)
+    first = checkers.get([STOP])
+    for k in range(5):
+        checkers.get([f"x{k}"])
+        checkers.get([STOP])  # used again: stays
+    assert len(checkers) == 3
+    assert checkers.get([STOP]) is first
+    assert checkers.get([]) is None and len(checkers) == 3

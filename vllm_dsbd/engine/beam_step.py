@@ -31,15 +31,14 @@ from torch import Tensor
 
 from vllm_dsbd.algorithm import beam_search_step, finishing_tokens, joint_probs, sample_joint, tempered_logprobs
 from vllm_dsbd.algorithm.joint import CandidateFinishes
+from vllm_dsbd.engine import streams
 from vllm_dsbd.engine.protocol import BeamChoice, GroupDecision, GroupDecoding, GroupStep, TokenLogprob
 from vllm_dsbd.engine.stops import StopCheckers
 
 
 def group_generator(seed: int, step: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The generator of one group's step; the same on every rank."""
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + step) % (2**63 - 1))
-    return g
+    """The generator of one group's beam step; the same on every rank (:mod:`.streams`)."""
+    return streams.generator(seed, step, streams.BEAM_STEP_SALT, device)
 
 
 def decide(logits: Tensor, row_of: Mapping[str, int], groups: Sequence[GroupStep],

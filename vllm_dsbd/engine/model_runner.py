@@ -210,6 +210,8 @@ class DSBDModelRunnerMixin:
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         plan = self._dsbd_plan = getattr(scheduler_output, PLAN_ATTR, None)
+        if plan is not None:  # here, not in _sample: a step with no scheduled token returns before sampling
+            self._dsbd_drafts.forget(plan.forget_group_ids)
         self._dsbd_scheduler_output = scheduler_output
         self._dsbd_result = None
         if self._dsbd_features is not None:  # forks copy their tail block's features as vLLM copies its KV
@@ -236,10 +238,7 @@ class DSBDModelRunnerMixin:
         else:
             sampler_output = self._sample_last_rows(logits, spec_decode_metadata)
         plan, self._dsbd_plan = self._dsbd_plan, None
-        if plan is None:
-            return sampler_output
-        self._dsbd_drafts.forget(plan.forget_group_ids)
-        if logits is None:
+        if plan is None or logits is None:
             return sampler_output
         req_index = self.input_batch.req_id_to_index
         num_reqs = self.input_batch.num_reqs
@@ -344,6 +343,11 @@ class DSBDModelRunnerMixin:
     def dsbd_decisions_digest(self) -> str:
         """A hash of every decision this runner made so far (equal on all tensor-parallel ranks)."""
         return self._dsbd_digest.hexdigest()
+
+    def dsbd_held_state(self) -> dict[str, int]:
+        """What this runner holds across steps for beam groups: groups with stored draft joints, and cached
+        stop-string checkers (bounded: :data:`stops.MAX_CHECKERS`). Both fall back once groups finish."""
+        return {"draft_store_groups": len(self._dsbd_drafts), "stop_checkers": len(self._dsbd_stops)}
 
     def dsbd_model_dtypes(self) -> dict[str, dict[str, str]]:
         """Per model ("target", and "draft" on a speculative engine): the dtype of its weights and of its

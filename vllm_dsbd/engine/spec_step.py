@@ -16,8 +16,8 @@ models. One DSBD iteration of a group (ALGORITHM.md) runs as:
 Layouts (``algorithm.forest``): a layer has ``W`` slots; layer 0 holds the
 live beams; node id of (layer ``i``, slot ``j``) is ``j`` for ``i = 0`` and
 ``W + (i-1) W + j`` otherwise; flattened joint index = ``slot * V + token``.
-Randomness comes from generators seeded from (seed, iteration, layer), the
-same on every tensor-parallel rank.
+Randomness comes from generators seeded from (seed, iteration, purpose), the
+same on every tensor-parallel rank (:mod:`.streams`).
 """
 
 from __future__ import annotations
@@ -39,14 +39,8 @@ from vllm_dsbd.algorithm import (
 from vllm_dsbd.engine.protocol import (
     DraftDecision, DraftStep, TokenLogprob, VerifyChoice, VerifyDecision, VerifyStep, layer_slot, node_id)
 from vllm_dsbd.engine.stops import StopCheckers
+from vllm_dsbd.engine.streams import VERIFY_SALT, generator
 
-VERIFY_SALT = 1_000
-
-
-def generator(seed: int, step: int, salt: int, device: torch.device | str = "cpu") -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + step * 10_007 + salt) % (2**63 - 1))
-    return g
 
 
 class DraftStore:
@@ -58,8 +52,11 @@ class DraftStore:
         self._joints: dict[str, tuple[int, dict[int, tuple[Tensor, Tensor | None]]]] = {}
 
     def put(self, group_id: str, step: int, layer: int, joint: Tensor, support: Tensor | None = None) -> None:
+        """Keep layer ``layer``'s joint of iteration ``step``. Layer 1 starts the iteration's entry afresh: an
+        iteration drafts from its first layer on, and one restarted after a preemption (its KV lost, the same
+        ``step``) may draft fewer layers than before, whose stale joints must not reach its verification."""
         current = self._joints.get(group_id)
-        if current is None or current[0] != step:
+        if current is None or current[0] != step or layer == 1:
             current = (step, {})
             self._joints[group_id] = current
         current[1][layer] = joint, support

@@ -16,6 +16,7 @@ reports ``finish_reason="stop"`` with the string as ``stop_reason``.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
@@ -45,20 +46,34 @@ class StopStrings:
         return any(s in after and s not in before for s in self.stop)
 
 
-class StopCheckers:
-    """One :class:`StopStrings` per distinct set of stop strings, over a lazily loaded ``decode``."""
+MAX_CHECKERS = 64
+"""Distinct stop-string sets whose checkers (each with its decode cache) a runner keeps, the least recently
+used dropped first: a server sees a new set with every request that brings its own."""
 
-    def __init__(self, load_decode: Callable[[], Callable[[list[int]], str]]) -> None:
+
+class StopCheckers:
+    """One :class:`StopStrings` per distinct set of stop strings (the :data:`MAX_CHECKERS` most recently used),
+    over a lazily loaded ``decode``."""
+
+    def __init__(self, load_decode: Callable[[], Callable[[list[int]], str]], max_checkers: int = MAX_CHECKERS) -> None:
         self._load_decode = load_decode
         self._decode: Callable[[list[int]], str] | None = None
-        self._checkers: dict[tuple[str, ...], StopStrings] = {}
+        self._checkers: OrderedDict[tuple[str, ...], StopStrings] = OrderedDict()
+        self._max_checkers = max_checkers
 
     def get(self, stop: Sequence[str]) -> StopStrings | None:
         if not stop:
             return None
         key = tuple(stop)
-        if key not in self._checkers:
-            if self._decode is None:
-                self._decode = self._load_decode()
-            self._checkers[key] = StopStrings(self._decode, key)
-        return self._checkers[key]
+        if key in self._checkers:
+            self._checkers.move_to_end(key)
+            return self._checkers[key]
+        if self._decode is None:
+            self._decode = self._load_decode()
+        checker = self._checkers[key] = StopStrings(self._decode, key)
+        while len(self._checkers) > self._max_checkers:
+            self._checkers.popitem(last=False)
+        return checker
+
+    def __len__(self) -> int:
+        return len(self._checkers)

@@ -30,6 +30,10 @@ class _DecisionsDigest:
         """The model runner's dtypes of the target and the draft (weights, KV cache); through ``LLM.collective_rpc``."""
         return self.model_runner.dsbd_model_dtypes()
 
+    def dsbd_held_state(self) -> dict[str, int]:
+        """What the model runner holds for beam groups across steps; through ``LLM.collective_rpc``."""
+        return self.model_runner.dsbd_held_state()
+
     def dsbd_step_profile(self) -> dict[str, dict[str, float]]:
         """The model runner's time per step kind (``StepProfile``); through ``LLM.collective_rpc``."""
         return self.model_runner.dsbd_step_profile()

@@ -1,0 +1,104 @@
+"""Speculative beam groups under memory pressure: preempted mid-iteration, resumed, and what the runner holds.
+
+An engine whose KV cache fits only part of the batch preempts groups in every phase (draft steps, verify
+steps, in-step drafting). A preempted group restarts its iteration from its beams; its randomness is keyed
+by (seed, iteration, layer), so every output, T 0 and seeded T > 0 alike, equals the same request's output
+on a roomy engine. After finishing, aborting and preempting, the runner holds no draft joints for finished
+groups, and its stop-checker cache stays bounded.
+"""
+
+from __future__ import annotations
+
+import pytest
+from beam_checks import PROMPTS, engine_metric, start_spec_llm  # tests/engine/beam_checks.py
+
+pytestmark = pytest.mark.engine
+
+TIGHT_KV = 60 * 32 * 768
+"""About 60 blocks of 32 tokens (768 B a token for target and draft together): a few groups at once, which
+the plain requests' growth then preempts."""
+
+
+def _jobs():
+    """Every speculative mode, seeded: T 0 (fixed and auto depth), fixed and dynamic width, memory-efficient,
+    MJSD with a stop string; two prompts each, long enough to be preempted mid-way; and plain requests."""
+    from vllm import SamplingParams
+
+    def beams(width, gamma, temperature=0.0, n=None, seed=None, **extra):
+        return SamplingParams(n=n or width, temperature=temperature, seed=seed, max_tokens=32, ignore_eos=True,
+                              extra_args={"beam_width": width, "num_speculative_tokens": gamma, **extra})
+
+    modes = [beams(4, 3), beams(3, 2, auto_depth=True),
+             beams(4, 2, 1.0, seed=1, fixed_width=True), beams(4, 3, 0.9, seed=2),
+             beams(4, 2, 1.0, n=1, seed=3, memory_efficient=True),
+             SamplingParams(temperature=1.0, seed=4, max_tokens=32, ignore_eos=True, stop=["zz"],
+                            extra_args={"decoder": "mjsd", "beam_width": 3, "num_speculative_tokens": 2})]
+    plain = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)  # grows until vLLM must preempt
+    jobs = []
+    for k, params in enumerate(modes):
+        jobs += [(PROMPTS[k % 2], plain)] + [(prompt, params) for prompt in PROMPTS[k % 2:][:2]]
+    return jobs
+
+
+def _held(llm) -> dict:
+    return llm.collective_rpc("dsbd_held_state")[0]
+
+
+def _assert_preempted_groups_resume_as_on_a_roomy_engine(tight, roomy):
+    jobs = _jobs()
+    got = tight.generate([p for p, _ in jobs], [s for _, s in jobs], use_tqdm=False)
+    assert engine_metric(tight, "vllm:num_preemptions") > 0, "the test did not put the KV cache under pressure"
+    want = roomy.generate([p for p, _ in jobs], [s for _, s in jobs], use_tqdm=False)
+    for (_, params), g, w in zip(jobs, got, want):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs], params.extra_args
+    assert _held(tight)["draft_store_groups"] == 0
+
+
+@pytest.fixture
+def tight_spec_llm(engine_pool, dsbd_tiny_spec_kwargs):
+    """``dsbd_tiny_spec_llm`` (the tiny draft model, draft steps) with a KV cache a third of the batch fills."""
+    from vllm import LLM
+
+    return engine_pool.get("tight_spec_llm", lambda: LLM(**{**dsbd_tiny_spec_kwargs, "kv_cache_memory_bytes": TIGHT_KV}))
+
+
+@pytest.fixture
+def tight_in_step_llm(engine_pool, tiny_eos_target, heads):
+    """``in_step_llm`` (a random head drafting inside the verify step) with a tight KV cache."""
+    return engine_pool.get("tight_in_step_llm", lambda: start_spec_llm(
+        tiny_eos_target, heads["speculators"], {}, knobs={"draft_in_step": True}, kv_cache_memory_bytes=TIGHT_KV))
+
+
+def test_preempted_speculative_groups_of_a_draft_model_resume_to_the_same_outputs(tight_spec_llm,
+                                                                                  dsbd_tiny_spec_llm):
+    _assert_preempted_groups_resume_as_on_a_roomy_engine(tight_spec_llm, dsbd_tiny_spec_llm)
+
+
+def test_preempted_speculative_groups_of_a_head_drafting_in_step_resume_to_the_same_outputs(tight_in_step_llm,
+                                                                                           in_step_llm):
+    _assert_preempted_groups_resume_as_on_a_roomy_engine(tight_in_step_llm, in_step_llm)
+
+
+def test_aborted_groups_leave_no_draft_joints_in_the_runner(dsbd_tiny_spec_llm):
+    """Groups aborted mid-iteration are forgotten even when the step that says so schedules no token (the
+    runner returns before sampling there)."""
+    from vllm import SamplingParams
+
+    engine = dsbd_tiny_spec_llm.llm_engine
+    ids = [f"abort-held-{i}" for i in range(len(PROMPTS))]
+    for i, (rid, prompt) in enumerate(zip(ids, PROMPTS)):
+        engine.add_request(rid, prompt, SamplingParams(
+            n=4, temperature=1.0, seed=i, max_tokens=200, ignore_eos=True,
+            extra_args={"beam_width": 4, "num_speculative_tokens": 3}))
+    try:
+        for _ in range(40):
+            engine.step()
+            if _held(dsbd_tiny_spec_llm)["draft_store_groups"] == len(ids):
+                break
+        assert _held(dsbd_tiny_spec_llm)["draft_store_groups"] == len(ids)
+    finally:
+        engine.abort_request(ids, internal=False)
+    for _ in range(3):  # the step after the aborts schedules no token: it only reports them finished
+        engine.step()
+    assert not engine.has_unfinished_requests()
+    assert _held(dsbd_tiny_spec_llm)["draft_store_groups"] == 0
