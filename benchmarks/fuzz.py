@@ -272,6 +272,8 @@ class Tally:
     twins_compared: int = 0
     engine_deaths: int = 0
     kv_leaks: int = 0
+    store_leaks: int = 0  # batches after which the runner still held draft joints (offline only)
+    preemptions: float = 0.0  # requests vLLM preempted while the batches ran
     violations: list = field(default_factory=list)
     refusals: Counter = field(default_factory=Counter)  # (kind, the refusal's first words)
 
@@ -287,13 +289,22 @@ class Tally:
                                                                                  "failed")} for kind in KINDS}
         return {"requests": self.requests, "option_combinations": len(self.combinations),
                 "twins_compared": self.twins_compared, "engine_deaths": self.engine_deaths,
-                "kv_leaks": self.kv_leaks, "violations": self.violations[:50], "by_decoder": kinds,
+                "kv_leaks": self.kv_leaks, "store_leaks": self.store_leaks, "preemptions": self.preemptions,
+                "violations": self.violations[:50], "by_decoder": kinds,
                 "refusals": [[kind, why, n] for (kind, why), n in self.refusals.most_common()]}
 
 
-def fuzz_batch(transport, batch: list[Spec], tally: Tally) -> list[str]:
-    """Run ``batch`` (and the twins of its answered requests) on ``transport``; what went wrong."""
-    results = transport.run(batch)
+BALLAST = Spec("plain", "word " * 200, {"max_tokens": 200, "ignore_eos": True, "temperature": 0.0})
+"""Under memory pressure, requests that run beside each batch (not tallied): beam groups reserve the KV their
+iterations may claim before they are admitted, plain requests do not, so these grow into the groups' room
+until vLLM must preempt."""
+
+
+def fuzz_batch(transport, batch: list[Spec], tally: Tally, ballast: int = 0) -> list[str]:
+    """Run ``batch`` (and the twins of its answered requests) on ``transport``, with ``ballast`` copies of
+    :data:`BALLAST` beside it; what went wrong."""
+    preempted = transport.preemptions()
+    results = transport.run([BALLAST] * ballast + batch)[ballast:]
     problems = []
     for spec, result in zip(batch, results):
         tally.add(spec, result)
@@ -310,9 +321,14 @@ def fuzz_batch(transport, batch: list[Spec], tally: Tally) -> list[str]:
     if not transport.alive():
         tally.engine_deaths += 1
         problems.append("the engine died")
-    elif transport.kv_usage() != 0.0:
-        tally.kv_leaks += 1
-        problems.append(f"KV usage {transport.kv_usage()} after the batch")
+    else:
+        if transport.kv_usage() != 0.0:
+            tally.kv_leaks += 1
+            problems.append(f"KV usage {transport.kv_usage()} after the batch")
+        if transport.held_groups():
+            tally.store_leaks += 1
+            problems.append(f"the runner holds draft joints of {transport.held_groups()} groups after the batch")
+        tally.preemptions += transport.preemptions() - preempted
     tally.violations += problems
     return problems
 
@@ -320,8 +336,9 @@ def fuzz_batch(transport, batch: list[Spec], tally: Tally) -> list[str]:
 class Offline:
     """Requests through ``LLM.llm_engine`` (add_request, step, abort_request), mixed in one batch."""
 
-    def __init__(self, llm, kv_usage):
-        self.llm, self.engine, self._kv_usage = llm, llm.llm_engine, kv_usage
+    def __init__(self, llm, metric):
+        """``metric(llm, name)``: the value of one of ``llm``'s Prometheus metrics, summed over its labels."""
+        self.llm, self.engine, self._metric = llm, llm.llm_engine, metric
         tokenizer = llm.get_tokenizer()
         self.eos, self.tokenize = tokenizer.eos_token_id, tokenizer.encode
         self.max_model_len = llm.llm_engine.model_config.max_model_len
@@ -399,10 +416,18 @@ class Offline:
         return True
 
     def kv_usage(self) -> float:
-        return self._kv_usage(self.llm)
+        return self._metric(self.llm, "vllm:kv_cache_usage_perc")
+
+    def preemptions(self) -> float:
+        """Requests vLLM preempted since the engine started (``vllm:num_preemptions``)."""
+        return self._metric(self.llm, "vllm:num_preemptions")
+
+    def held_groups(self) -> int:
+        """Groups whose draft joints the runner (the output rank's) still holds."""
+        return self.llm.collective_rpc("dsbd_held_state")[0]["draft_store_groups"]
 
 
-def run_fuzz(transport, examples: int, seed: int | None, tally: Tally, max_batch: int = 4) -> None:
+def run_fuzz(transport, examples: int, seed: int | None, tally: Tally, max_batch: int = 4, ballast: int = 0) -> None:
     """``examples`` hypothesis examples, derandomized when ``seed`` is None; raises on the first problem,
     showing the batch as drawn."""
     from hypothesis import seed as hypothesis_seed
@@ -412,23 +437,30 @@ def run_fuzz(transport, examples: int, seed: int | None, tally: Tally, max_batch
               phases=(Phase.explicit, Phase.generate))  # no shrinking: every example costs engine steps
     @given(batch=batches(max_batch))
     def one(batch):
-        problems = fuzz_batch(transport, batch, tally)
+        problems = fuzz_batch(transport, batch, tally, ballast)
         assert not problems, "\n".join(problems)
 
     (one if seed is None else hypothesis_seed(seed)(one))()
 
 
-def _llm_kv_usage(llm) -> float:
-    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:kv_cache_usage_perc")
+def _metric(llm, name: str) -> float:
+    """``name`` from ``llm.get_metrics()`` (vLLM's process-global registry: the engine started last)."""
+    return sum(m.value for m in llm.get_metrics() if m.name in (name, name + "_total"))
 
 
-def _tiny_engine_kwargs() -> dict:
+PRESSURE_KV_BYTES = 36 * 32 * 768
+"""Under memory pressure: 36 KV blocks of 32 tokens on the tiny pair (768 B a token, target and draft); the
+ballast alone grows to more than that."""
+PRESSURE_BALLAST = 3
+
+
+def _tiny_engine_kwargs(kv_cache_memory_bytes: int = 256 << 20) -> dict:
     from vllm_dsbd import models
     from vllm_dsbd.demo import dsbd_engine_kwargs
 
     pair = models.build_tiny_pair(models.cache_root() / "tiny", seed=0)
     return {**dsbd_engine_kwargs(str(pair.target), str(pair.draft), 3, 8), "disable_log_stats": False,
-            "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20}
+            "max_model_len": 512, "kv_cache_memory_bytes": kv_cache_memory_bytes}
 
 
 def _plot(summary: dict, path: Path) -> None:
@@ -444,7 +476,8 @@ def _plot(summary: dict, path: Path) -> None:
             values = [run["by_decoder"][k][outcome] for k in KINDS]
             ax.bar(KINDS, values, bottom=bottom, label=outcome)
             bottom = [b + v for b, v in zip(bottom, values)]
-        ax.set_title(f"{name}: {run['requests']} requests, {run['engine_deaths']} deaths, {run['kv_leaks']} KV leaks")
+        ax.set_title(f"{name}: {run['requests']} requests, {run['engine_deaths']} deaths, {run['kv_leaks']} KV leaks, "
+                     f"{run.get('preemptions', 0):.0f} preemptions", fontsize=9)
         ax.tick_params(axis="x", rotation=30)
         ax.legend()
     fig.tight_layout()
@@ -457,12 +490,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=["offline", "served"], help="one run only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/fuzz"))
+    parser.add_argument("--pressure", action="store_true",
+                        help="a KV cache that fits about a third of each batch, with growing plain requests beside "
+                             "it: vLLM preempts beam groups (fails if it never did)")
     args = parser.parse_args(argv)
+    kv_bytes = PRESSURE_KV_BYTES if args.pressure else 256 << 20
+    ballast = PRESSURE_BALLAST if args.pressure else 0
     from benchmarks.fuzz_served import Served
     from benchmarks.machine import machine_facts
 
     args.out.mkdir(parents=True, exist_ok=True)
-    summary: dict[str, Any] = {"machine": machine_facts(), "seed": args.seed, "runs": {}}
+    summary: dict[str, Any] = {"machine": machine_facts(), "seed": args.seed, "pressure": args.pressure,
+                               "kv_cache_memory_bytes": kv_bytes, "ballast": ballast, "runs": {}}
     for name in ("offline", "served"):
         if args.only and name != args.only:
             continue
@@ -470,17 +509,18 @@ def main(argv: list[str] | None = None) -> int:
         if name == "offline":
             from vllm import LLM
 
-            transport = Offline(LLM(**_tiny_engine_kwargs()), _llm_kv_usage)
+            transport = Offline(LLM(**_tiny_engine_kwargs(kv_bytes)), _metric)
         else:
             log = Path(tempfile.mkdtemp(prefix="fuzz-")) / "server.log"
             print(f"served: the server's log is {log}", flush=True)
-            transport = Served.start(_tiny_engine_kwargs(), log)
+            transport = Served.start(_tiny_engine_kwargs(kv_bytes), log)
         try:
             for chunk in itertools.count():
                 if tally.requests >= args.requests:
                     break
-                run_fuzz(transport, 50, args.seed * 1000 + chunk, tally)
-                print(f"{name}: {tally.requests} requests, {time.time() - start:.0f} s", flush=True)
+                run_fuzz(transport, 50, args.seed * 1000 + chunk, tally, ballast=ballast)
+                print(f"{name}: {tally.requests} requests, {tally.preemptions:.0f} preemptions, "
+                      f"{time.time() - start:.0f} s", flush=True)
         except AssertionError as e:
             print(f"{name}: a problem (hypothesis's smallest example above):\n{e}", file=sys.stderr)
         finally:
@@ -489,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({name: {k: v for k, v in summary["runs"][name].items() if k != "violations"}}, indent=1))
     (args.out / "fuzz.json").write_text(json.dumps(summary, indent=1))
     _plot(summary, args.out / "fuzz.png")
-    bad = any(r["engine_deaths"] or r["kv_leaks"] or r["violations"] for r in summary["runs"].values())
+    bad = any(r["engine_deaths"] or r["kv_leaks"] or r["store_leaks"] or r["violations"]
+              or (args.pressure and not r["preemptions"]) for r in summary["runs"].values())
     return 1 if bad else 0
 
 

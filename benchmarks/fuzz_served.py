@@ -133,6 +133,15 @@ class Served:
         return usage
 
 
+    def preemptions(self) -> float:
+        """Requests vLLM preempted since the server started (``vllm:num_preemptions``)."""
+        return server_metrics(self.url)["vllm:num_preemptions_total"]
+
+    def held_groups(self) -> int:
+        """Not visible through HTTP: the offline transport checks the runner's draft store."""
+        return 0
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as r:

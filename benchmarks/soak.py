@@ -98,7 +98,8 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 def server_metrics(url: str) -> dict[str, float]:
     """The unlabelled sums of the gauges the soak checks, read from ``/metrics``."""
-    wanted = {"vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"}
+    wanted = {"vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
+              "vllm:num_preemptions_total"}
     values = dict.fromkeys(wanted, 0.0)
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         for line in r.read().decode().splitlines():

@@ -36,3 +36,23 @@ def in_step_llm(engine_pool, tiny_eos_target, heads):
     """A head-drafted DSBD engine with ``draft_in_step``: the next forest is drawn inside each verify step."""
     return engine_pool.get("in_step_llm", lambda: start_spec_llm(tiny_eos_target, heads["speculators"], {},
                                                                  knobs={"draft_in_step": True}))
+
+
+TIGHT_KV = 60 * 32 * 768
+"""About 60 KV blocks of 32 tokens (768 B a token for the tiny target and its draft together): a few beam
+groups at once, which growing plain requests beside them make vLLM preempt."""
+
+
+@pytest.fixture
+def tight_spec_llm(engine_pool, dsbd_tiny_spec_kwargs):
+    """``dsbd_tiny_spec_llm`` (the tiny draft model, draft steps) with a KV cache a third of the batch fills."""
+    from vllm import LLM
+
+    return engine_pool.get("tight_spec_llm", lambda: LLM(**{**dsbd_tiny_spec_kwargs, "kv_cache_memory_bytes": TIGHT_KV}))
+
+
+@pytest.fixture
+def tight_in_step_llm(engine_pool, tiny_eos_target, heads):
+    """``in_step_llm`` (a random head drafting inside the verify step) with a tight KV cache."""
+    return engine_pool.get("tight_in_step_llm", lambda: start_spec_llm(
+        tiny_eos_target, heads["speculators"], {}, knobs={"draft_in_step": True}, kv_cache_memory_bytes=TIGHT_KV))

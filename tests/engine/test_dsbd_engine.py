@@ -95,7 +95,7 @@ def test_the_accepted_drafts_check_rejects_a_bug_planted_in_the_engine(self_draf
     """The same check on an engine whose runner keeps the wrong draft joint, or whose beam steps redraw a draft
     layer's uniforms (fixed-width DSBD had that bug: the check failed with p ~ 1e-8 to 1e-150)."""
     plant(monkeypatch)
-    outs = sample_with_acceptances(self_draft_llm, PROMPTS[0], _sharpened_self_draft_requests())
+    outs = sample_with_acceptances(self_draft_llm, PROMPTS[0], _sharpened_self_draft_requests(1200))
     assert beam_sampling_pvalue(outs, tiny_eos_target, 2, 3, 3) < 1e-3
 
 

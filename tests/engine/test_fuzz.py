@@ -11,14 +11,15 @@ engine serves and holds no KV.
 from __future__ import annotations
 
 import pytest
-from beam_checks import engine_metric  # tests/engine/beam_checks.py
+from beam_checks import engine_metric, start_spec_llm  # tests/engine/beam_checks.py
 
-from benchmarks.fuzz import KINDS, Offline, Tally, run_fuzz
+from benchmarks.fuzz import KINDS, PRESSURE_BALLAST, PRESSURE_KV_BYTES, Offline, Tally, run_fuzz
 
 pytestmark = pytest.mark.engine
 
 EXAMPLES = 150
 HEAD_EXAMPLES = 100
+PRESSURE_EXAMPLES = 6
 SEED = 0  # hypothesis is pinned: the same batches on every run
 
 
@@ -32,11 +33,42 @@ def test_fuzzed_batches_on_a_head_drafting_inside_the_verify_step(in_step_llm):
     _assert_fuzzed_batches_pass(in_step_llm, HEAD_EXAMPLES)
 
 
-def _assert_fuzzed_batches_pass(llm, examples: int) -> None:
+@pytest.mark.parametrize("engine", ["pressure_spec_llm", "pressure_in_step_llm"])
+def test_fuzzed_batches_under_memory_pressure(request, engine):
+    """The same on engines whose KV cache fits a third of a batch with the plain requests growing beside it:
+    vLLM preempts beam groups mid-iteration (a draft model in draft steps; a head drafting in-step), and
+    every request still keeps its guarantees, no KV and no draft joint is left behind."""
+    tally = _assert_fuzzed_batches_pass(request.getfixturevalue(engine), PRESSURE_EXAMPLES, PRESSURE_BALLAST,
+                                        all_kinds=False)
+    assert tally.preemptions > 0
+
+
+@pytest.fixture
+def pressure_spec_llm(engine_pool, dsbd_tiny_spec_kwargs):
+    """``dsbd_tiny_spec_llm`` (the tiny draft model, draft steps) with the fuzzing's tight KV cache."""
+    from vllm import LLM
+
+    return engine_pool.get("pressure_spec_llm", lambda: LLM(**{**dsbd_tiny_spec_kwargs,
+                                                                "kv_cache_memory_bytes": PRESSURE_KV_BYTES}))
+
+
+@pytest.fixture
+def pressure_in_step_llm(engine_pool, tiny_eos_target, heads):
+    """``in_step_llm`` (a random head drafting inside the verify step) with the fuzzing's tight KV cache."""
+    return engine_pool.get("pressure_in_step_llm", lambda: start_spec_llm(
+        tiny_eos_target, heads["speculators"], {}, knobs={"draft_in_step": True},
+        kv_cache_memory_bytes=PRESSURE_KV_BYTES))
+
+
+def _assert_fuzzed_batches_pass(llm, examples: int, ballast: int = 0, all_kinds: bool = True) -> Tally:
     tally = Tally()
-    run_fuzz(Offline(llm, lambda engine: engine_metric(engine, "vllm:kv_cache_usage_perc")), examples, SEED, tally)
+    run_fuzz(Offline(llm, engine_metric), examples, SEED, tally,
+             ballast=ballast)
     assert tally.requests >= examples and tally.engine_deaths == 0 and tally.kv_leaks == 0
+    assert tally.store_leaks == 0
     outcomes = {outcome for (_, outcome), count in tally.outcomes.items() if count}
     assert {"answered", "refused"} <= outcomes  # the draws reach both sides
-    assert {kind for (kind, outcome), count in tally.outcomes.items() if outcome == "answered"} == set(KINDS)
+    if all_kinds:
+        assert {kind for (kind, outcome), count in tally.outcomes.items() if outcome == "answered"} == set(KINDS)
     assert tally.twins_compared > 0
+    return tally

@@ -10,14 +10,9 @@ groups, and its stop-checker cache stays bounded.
 from __future__ import annotations
 
 import pytest
-from beam_checks import PROMPTS, engine_metric, start_spec_llm  # tests/engine/beam_checks.py
+from beam_checks import PROMPTS, engine_metric  # tests/engine/beam_checks.py
 
 pytestmark = pytest.mark.engine
-
-TIGHT_KV = 60 * 32 * 768
-"""About 60 blocks of 32 tokens (768 B a token for target and draft together): a few groups at once, which
-the plain requests' growth then preempts."""
-
 
 def _jobs():
     """Every speculative mode, seeded: T 0 (fixed and auto depth), fixed and dynamic width, memory-efficient,
@@ -52,21 +47,6 @@ def _assert_preempted_groups_resume_as_on_a_roomy_engine(tight, roomy):
     for (_, params), g, w in zip(jobs, got, want):
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs], params.extra_args
     assert _held(tight)["draft_store_groups"] == 0
-
-
-@pytest.fixture
-def tight_spec_llm(engine_pool, dsbd_tiny_spec_kwargs):
-    """``dsbd_tiny_spec_llm`` (the tiny draft model, draft steps) with a KV cache a third of the batch fills."""
-    from vllm import LLM
-
-    return engine_pool.get("tight_spec_llm", lambda: LLM(**{**dsbd_tiny_spec_kwargs, "kv_cache_memory_bytes": TIGHT_KV}))
-
-
-@pytest.fixture
-def tight_in_step_llm(engine_pool, tiny_eos_target, heads):
-    """``in_step_llm`` (a random head drafting inside the verify step) with a tight KV cache."""
-    return engine_pool.get("tight_in_step_llm", lambda: start_spec_llm(
-        tiny_eos_target, heads["speculators"], {}, knobs={"draft_in_step": True}, kv_cache_memory_bytes=TIGHT_KV))
 
 
 def test_preempted_speculative_groups_of_a_draft_model_resume_to_the_same_outputs(tight_spec_llm,

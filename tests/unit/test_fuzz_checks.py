@@ -72,8 +72,8 @@ class _Transport:
 
     eos, max_model_len = EOS, 512
 
-    def __init__(self, lossy=False, alive=True, kv=0.0):
-        self.lossy, self._alive, self._kv = lossy, alive, kv
+    def __init__(self, lossy=False, alive=True, kv=0.0, held=0):
+        self.lossy, self._alive, self._kv, self._held = lossy, alive, kv, held
 
     def prompt_len(self, prompt):
         return 4
@@ -89,6 +89,12 @@ class _Transport:
     def kv_usage(self):
         return self._kv
 
+    def held_groups(self):
+        return self._held
+
+    def preemptions(self):
+        return 0.0
+
 
 def test_fuzz_batch_catches_lossy_speculation_engine_death_and_kv_leaks():
     batch = [_spec("dsbd_fixed", n=1)]
@@ -99,3 +105,5 @@ def test_fuzz_batch_catches_lossy_speculation_engine_death_and_kv_leaks():
     assert fuzz_batch(_Transport(alive=False), batch, tally) and tally.engine_deaths == 1
     tally = Tally()
     assert fuzz_batch(_Transport(kv=0.25), batch, tally) and tally.kv_leaks == 1
+    tally = Tally()
+    assert fuzz_batch(_Transport(held=2), batch, tally) and tally.store_leaks == 1

@@ -51,6 +51,10 @@ class AdmissionMixin:
                     b.request.spec_token_ids = []
                     b.request.dsbd_target = b.request.dsbd_draft = None
             victims += [b.request for b in group.beams if b.request.status == RequestStatus.RUNNING]
+            for uid in group.user_request_ids:  # vLLM counts a preemption by its user request's event
+                user = self.requests.get(uid)
+                if user is not None and self.log_stats:
+                    user.record_event(EngineCoreEventType.PREEMPTED, now)
         self.running = remove_all(self.running, set(victims) | released)
         for request in victims:
             self._preempt_request(request, now)

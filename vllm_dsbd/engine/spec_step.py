@@ -100,30 +100,31 @@ def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, suppor
     """
     if vocab_size is not None and (support is None or ds.temperature <= 0):
         raise ValueError("draft_layer: logits over the support's columns only need a support and T > 0")
-    width = ds.beam_width
-    rows = torch.tensor([row_of[r] for r in ds.req_ids], device=logits.device)
-    slots = torch.tensor(ds.slots, device=logits.device)
+    width, device = ds.beam_width, logits.device  # every tensor below on the logits' device
+    rows = torch.tensor([row_of[r] for r in ds.req_ids], device=device)
+    slots = torch.tensor(ds.slots, device=device)
     parent_logits = logits.index_select(0, rows).float()  # [P, V] (or [P, K])
     vocab = parent_logits.shape[-1] if vocab_size is None else vocab_size
-    valid = torch.zeros((1, width), dtype=torch.bool)
+    valid = torch.zeros((1, width), dtype=torch.bool, device=device)
     valid[0, slots] = True
-    scores = torch.full((1, width), float("-inf"), dtype=torch.float64)
-    scores[0, slots] = torch.tensor(ds.scores, dtype=torch.float64)
+    scores = torch.full((1, width), float("-inf"), dtype=torch.float64, device=device)
+    scores[0, slots] = torch.tensor(ds.scores, dtype=torch.float64, device=device)
     if ds.temperature > 0:
         columns = parent_logits if support is None or vocab_size is not None else parent_logits[:, support]
-        lp = torch.zeros((width, columns.shape[-1]))
+        lp = torch.zeros((width, columns.shape[-1]), device=device)
         lp[slots] = tempered_logprobs(columns, ds.temperature * ds.draft_temperature_scale)
-        q = joint_probs(scores, valid, lp[None], torch.tensor([ds.top_k]), torch.tensor([ds.top_p]))  # [1, W*K]
-        draws = sample_joint(q, width, generator(ds.seed, ds.step, ds.layer, logits.device))[0]
+        q = joint_probs(scores, valid, lp[None], torch.tensor([ds.top_k], device=device),
+                        torch.tensor([ds.top_p], device=device))  # [1, W*K]
+        draws = sample_joint(q, width, generator(ds.seed, ds.step, ds.layer, device))[0]
         parents, columns_drawn = draws // lp.shape[-1], draws % lp.shape[-1]
         new_scores = scores[0, parents] + lp[parents, columns_drawn].double()
         tokens = columns_drawn if support is None else support[columns_drawn]  # token ids
         return DraftDecision(ds.group_id, parents.tolist(), tokens.tolist(), new_scores.tolist()), q[0]
-    lp = torch.zeros((width, vocab))
+    lp = torch.zeros((width, vocab), device=device)
     lp[slots] = tempered_logprobs(parent_logits, ds.draft_temperature_scale)  # T 0: the scale ranks the draft
-    step = beam_search_step(lp[None], scores, valid, torch.tensor([ds.seq_len]), width, ds.eos_token_id,
-                            torch.tensor([ds.ignore_eos]), torch.tensor([ds.length_penalty], dtype=torch.float64),
-                            ds.stop_token_ids)
+    step = beam_search_step(lp[None], scores, valid, torch.tensor([ds.seq_len], device=device), width,
+                            ds.eos_token_id, torch.tensor([ds.ignore_eos], device=device),
+                            torch.tensor([ds.length_penalty], dtype=torch.float64, device=device), ds.stop_token_ids)
     keep = step.valid[0]
     return DraftDecision(ds.group_id, step.parents[0][keep].tolist(), step.tokens[0][keep].tolist(),
                          step.cum_logprobs[0][keep].tolist()), None
