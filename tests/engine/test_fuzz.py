@@ -61,6 +61,8 @@ def pressure_in_step_llm(engine_pool, tiny_eos_target, heads):
 
 
 def _assert_fuzzed_batches_pass(llm, examples: int, ballast: int = 0, all_kinds: bool = True) -> Tally:
+    """``examples`` seeded batches, each with ``ballast`` growing plain requests beside it; ``all_kinds``: the
+    draws must also reach every decoder and a T 0 twin (the long unpressured runs)."""
     tally = Tally()
     run_fuzz(Offline(llm, engine_metric), examples, SEED, tally,
              ballast=ballast)
@@ -68,7 +70,7 @@ def _assert_fuzzed_batches_pass(llm, examples: int, ballast: int = 0, all_kinds:
     assert tally.store_leaks == 0
     outcomes = {outcome for (_, outcome), count in tally.outcomes.items() if count}
     assert {"answered", "refused"} <= outcomes  # the draws reach both sides
-    if all_kinds:
+    if all_kinds:  # the long runs: every decoder answered, T 0 speculation compared with γ 0
         assert {kind for (kind, outcome), count in tally.outcomes.items() if outcome == "answered"} == set(KINDS)
-    assert tally.twins_compared > 0
+        assert tally.twins_compared > 0
     return tally

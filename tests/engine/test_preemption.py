@@ -16,22 +16,22 @@ pytestmark = pytest.mark.engine
 
 def _jobs():
     """Every speculative mode, seeded: T 0 (fixed and auto depth), fixed and dynamic width, memory-efficient,
-    MJSD with a stop string; two prompts each, long enough to be preempted mid-way; and plain requests."""
+    MJSD with a stop string; three prompts each, long enough to be preempted mid-way; and plain requests."""
     from vllm import SamplingParams
 
     def beams(width, gamma, temperature=0.0, n=None, seed=None, **extra):
-        return SamplingParams(n=n or width, temperature=temperature, seed=seed, max_tokens=32, ignore_eos=True,
+        return SamplingParams(n=n or width, temperature=temperature, seed=seed, max_tokens=48, ignore_eos=True,
                               extra_args={"beam_width": width, "num_speculative_tokens": gamma, **extra})
 
     modes = [beams(4, 3), beams(3, 2, auto_depth=True),
              beams(4, 2, 1.0, seed=1, fixed_width=True), beams(4, 3, 0.9, seed=2),
              beams(4, 2, 1.0, n=1, seed=3, memory_efficient=True),
-             SamplingParams(temperature=1.0, seed=4, max_tokens=32, ignore_eos=True, stop=["zz"],
+             SamplingParams(temperature=1.0, seed=4, max_tokens=48, ignore_eos=True, stop=["zz"],
                             extra_args={"decoder": "mjsd", "beam_width": 3, "num_speculative_tokens": 2})]
     plain = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)  # grows until vLLM must preempt
     jobs = []
     for k, params in enumerate(modes):
-        jobs += [(PROMPTS[k % 2], plain)] + [(prompt, params) for prompt in PROMPTS[k % 2:][:2]]
+        jobs += [(PROMPTS[k % 2], plain)] + [(prompt, params) for prompt in PROMPTS]
     return jobs
 
 
