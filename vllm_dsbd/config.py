@@ -56,7 +56,7 @@ DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 MAX_DRAFT_LAYERS = 999
 """The deepest draft: layer i draws from a random stream of its own, below the verification's
-(``engine.streams.MAX_DRAFT_LAYERS``, checked equal by the tests)."""
+(``engine.streams`` derives its salts from this)."""
 
 
 @dataclass(frozen=True)

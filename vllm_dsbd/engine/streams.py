@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
+from vllm_dsbd.config import MAX_DRAFT_LAYERS
+
 STEP_STRIDE = 10_007
-VERIFY_SALT = 1_000
-BEAM_STEP_SALT = 2_000
-MAX_DRAFT_LAYERS = VERIFY_SALT - 1
-"""Draft layers use salts 1..γ: γ must stay below the other purposes' salts."""
+VERIFY_SALT = MAX_DRAFT_LAYERS + 1  # draft layers use salts 1..γ, γ <= MAX_DRAFT_LAYERS (the config checks it)
+BEAM_STEP_SALT = 2 * VERIFY_SALT
 
 
 def generator(seed: int, step: int, salt: int, device: torch.device | str = "cpu") -> torch.Generator:
