@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from beam_checks import start_permutation_llm, start_spec_llm  # tests/engine/beam_checks.py
 
+from benchmarks.fuzz import PRESSURE_KV_BYTES
+
 
 @pytest.fixture
 def permutation_llm(engine_pool, tiny_pair, tmp_path_factory):
@@ -49,6 +51,16 @@ def tight_spec_llm(engine_pool, dsbd_tiny_spec_kwargs):
     from vllm import LLM
 
     return engine_pool.get("tight_spec_llm", lambda: LLM(**{**dsbd_tiny_spec_kwargs, "kv_cache_memory_bytes": TIGHT_KV}))
+
+
+@pytest.fixture
+def pressure_spec_llm(engine_pool, dsbd_tiny_spec_kwargs):
+    """``dsbd_tiny_spec_llm`` (the tiny draft model, draft steps) with the fuzzing's KV cache of 36 blocks: three
+    growing plain requests beside a wide group fill it."""
+    from vllm import LLM
+
+    return engine_pool.get("pressure_spec_llm", lambda: LLM(**{**dsbd_tiny_spec_kwargs,
+                                                                "kv_cache_memory_bytes": PRESSURE_KV_BYTES}))
 
 
 @pytest.fixture

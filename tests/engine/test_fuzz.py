@@ -44,15 +44,6 @@ def test_fuzzed_batches_under_memory_pressure(request, engine):
 
 
 @pytest.fixture
-def pressure_spec_llm(engine_pool, dsbd_tiny_spec_kwargs):
-    """``dsbd_tiny_spec_llm`` (the tiny draft model, draft steps) with the fuzzing's tight KV cache."""
-    from vllm import LLM
-
-    return engine_pool.get("pressure_spec_llm", lambda: LLM(**{**dsbd_tiny_spec_kwargs,
-                                                                "kv_cache_memory_bytes": PRESSURE_KV_BYTES}))
-
-
-@pytest.fixture
 def pressure_in_step_llm(engine_pool, tiny_eos_target, heads):
     """``in_step_llm`` (a random head drafting inside the verify step) with the fuzzing's tight KV cache."""
     return engine_pool.get("pressure_in_step_llm", lambda: start_spec_llm(

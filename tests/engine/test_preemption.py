@@ -82,3 +82,38 @@ def test_aborted_groups_leave_no_draft_joints_in_the_runner(dsbd_tiny_spec_llm):
         engine.step()
     assert not engine.has_unfinished_requests()
     assert _held(dsbd_tiny_spec_llm)["draft_store_groups"] == 0
+
+
+def test_a_speculative_fork_without_a_free_block_does_not_stall_its_group(pressure_spec_llm, dsbd_tiny_spec_llm):
+    """Wide groups beside plain requests that have grown into their room: a beam or draft node forked without a
+    free block cannot recompute its KV in a draft step, so the fork preempts a plain request the step did not
+    run, or else its group, and every request finishes (the engine stalled here, drafting forever). The
+    outputs are the roomy engine's."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    plain = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    wide = SamplingParams(n=8, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True,
+                          output_kind=RequestOutputKind.FINAL_ONLY,  # all 8 beams at once, as generate() asks
+                          extra_args={"beam_width": 8, "num_speculative_tokens": 3, "fixed_width": True})
+    jobs = [("word " * 200, plain)] * 3 + [(prompt, wide) for prompt in PROMPTS[:2]]
+    engine = pressure_spec_llm.llm_engine
+    preempted = engine_metric(pressure_spec_llm, "vllm:num_preemptions")
+    ids = [f"no-stall-{i}" for i in range(len(jobs))]
+    for rid, (prompt, params) in zip(ids, jobs):
+        engine.add_request(rid, prompt, params)
+    got = {}
+    try:
+        for _ in range(1000):  # the plain requests need about 300 steps, the groups far fewer
+            for out in engine.step():
+                if out.finished:
+                    got[out.request_id] = [c.token_ids for c in out.outputs]
+            if not engine.has_unfinished_requests():
+                break
+        assert not engine.has_unfinished_requests(), f"stalled: {sorted(set(ids) - set(got))} unfinished"
+    finally:
+        engine.abort_request(ids, internal=False)
+    assert engine_metric(pressure_spec_llm, "vllm:num_preemptions") > preempted
+    want = dsbd_tiny_spec_llm.generate([p for p, _ in jobs[3:]], [s for _, s in jobs[3:]], use_tqdm=False)
+    assert [got[rid] for rid in ids[3:]] == [[c.token_ids for c in w.outputs] for w in want]
+    assert _held(pressure_spec_llm)["draft_store_groups"] == 0

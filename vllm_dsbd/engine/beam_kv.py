@@ -2,13 +2,21 @@
 
 A fork shares its parent's full KV blocks (ref counts) and gets a copy of
 the partial tail block through vLLM's copy-on-write path; without a free block
-it recomputes instead. A released beam frees its blocks at once. A request
+it recomputes instead. A node of a speculative iteration cannot recompute (draft
+steps run only the nodes that hold their KV): its fork first preempts, as vLLM
+preempts for a running request, plain requests and beams without speculation
+that the step did not run, the lowest priority first; failing that, its group is
+preempted and runs the iteration again once it is back. A released beam frees its
+blocks at once. A request
 whose group is not ready goes back to its frontier (the target's, with
 speculation) to try again.
 """
 
 from __future__ import annotations
 
+import time
+
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_dsbd.engine.beam_group import BeamGroup
@@ -55,7 +63,8 @@ class BeamKVMixin:
         for attr, limit in (("dsbd_target", num_shared), ("dsbd_draft", reach)):
             if getattr(parent, attr, None) is not None:
                 setattr(child, attr, min(getattr(parent, attr), limit))
-        if self._share_kv(parent, child, num_shared):
+        speculative = group.speculative
+        if self._share_kv(parent, child, num_shared) or (speculative and self._make_room(parent, child, num_shared)):
             child.num_computed_tokens = num_shared
             child.status = RequestStatus.RUNNING
             self.running.insert(self.running.index(parent) + 1, child)
@@ -65,7 +74,29 @@ class BeamKVMixin:
                 if getattr(child, attr, None) is not None:
                     setattr(child, attr, 0)
             self.waiting.prepend_request(child)
+            if speculative:  # released with the iteration when the group is preempted, at the next step
+                self._preempted_groups.add(group.group_id)
         return child
+
+    def _make_room(self, parent: Request, child: Request, num_tokens: int) -> bool:
+        """A speculative iteration's fork found no free block: preempt requests that the step just run did
+        not schedule, plain ones and beams of groups without speculation (a group follows whole at the next
+        step), the lowest priority first as vLLM picks, until the fork shares ``parent``'s KV."""
+        while True:
+            victims = [r for r in self.running if r.status == RequestStatus.RUNNING
+                       and r.request_id not in self._scheduled_now and not self._speculating(r)]
+            if not victims:
+                return False
+            victim = max(victims, key=lambda r: (r.priority, r.arrival_time)) \
+                if self.policy == SchedulingPolicy.PRIORITY else victims[-1]
+            self.running.remove(victim)
+            self._preempt_request(victim, time.monotonic())
+            if self._share_kv(parent, child, num_tokens):
+                return True
+
+    def _speculating(self, request: Request) -> bool:
+        group = self.groups.get(self._beam_group.get(request.request_id))
+        return group is not None and group.speculative
 
     def _share_kv(self, parent: Request, child: Request, num_tokens: int) -> bool:
         """Give ``child`` the parent's KV for its first ``num_tokens`` tokens; False if no block is free."""

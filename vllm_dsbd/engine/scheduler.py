@@ -101,6 +101,7 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
         self._preempted_groups: set[str] = set()  # groups with a beam preempted since the last step
         self._forgotten_groups: list[str] = []  # gone since the last step (the runner drops their drafts)
         self._draft_participants: list[Request] = []  # requests of the current draft step
+        self._scheduled_now: set[str] = set()  # requests of the step being committed (never preempted there)
         self._beam_ids = itertools.count()
         # vLLM's own draft_model scheduling is not used: no spec-token padding, no lookahead slots
         # (DSBD schedules its drafts and spec tokens itself).
@@ -276,7 +277,11 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
             self._step_tokens = {rid: 1 if self._computes_prompt(rid, n) else n for rid, n in scheduled.items()}
             self._batch_view = None
         if plan is not None:
-            self._commit_steps(plan, getattr(model_runner_output, RESULT_ATTR, None), group_outputs)
+            self._scheduled_now = set(scheduled)
+            try:
+                self._commit_steps(plan, getattr(model_runner_output, RESULT_ATTR, None), group_outputs)
+            finally:
+                self._scheduled_now = set()
         # The base class makes this step's stats last: after the commits, so KV usage is current.
         outputs = super().update_from_output(plain_output, model_runner_output)
         for client, outs in group_outputs.items():
