@@ -1,4 +1,5 @@
-"""The ``vllm-dsbd`` command: prepare models, run the demo, print the machine's dtype."""
+"""The ``vllm-dsbd`` command: prepare models, run the demo, serve, print the machine's dtype, and train and
+evaluate drafts and EAGLE-3 heads. ``vllm-dsbd SUBCOMMAND --help`` describes each."""
 
 from __future__ import annotations
 
@@ -109,15 +110,25 @@ def build_parser() -> argparse.ArgumentParser:
         _add_pair_argument(p)
         p.set_defaults(func=fn)
 
+    s = sub.add_parser("serve", add_help=False,
+                       help="vLLM's OpenAI-compatible server with the plugin loaded (`vllm serve`'s arguments, "
+                            "which also run on the CPU build): vllm-dsbd serve MODEL --speculative-method dsbd "
+                            "--speculative-config '{...}'; vllm-dsbd serve --help prints vLLM's options")
+    s.add_argument("vllm_args", nargs=argparse.REMAINDER, help="arguments of vLLM's `vllm serve`")
+
     d = sub.add_parser("demo", help="run beam decoding on a pair's target (and DSBD with its draft) with timings")
     d.add_argument("--model", default=None, help="target checkpoint (default: the pair's prepared target)")
-    d.add_argument("--cache-dir", default=None)
+    d.add_argument("--cache-dir", default=None, help=f"model cache (default: ${models.CACHE_ENV} or ~/.cache/vllm-dsbd)")
     _add_pair_argument(d)
-    d.add_argument("--beam-width", type=int, default=4)
-    d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument("--beam-width", type=int, default=4, help="beam width W of every beam row (default: 4)")
+    d.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt (default: 32)")
     d.add_argument("--num-speculative-tokens", type=int, default=2,
                    help="the most draft layers γ a DSBD iteration may have (auto_depth picks 0..γ each iteration)")
-    d.add_argument("--no-draft", action="store_true", help="skip the DSBD rows")
+    drafts = d.add_mutually_exclusive_group()
+    drafts.add_argument("--draft", default=None,
+                        help="the DSBD rows' draft: a draft model or EAGLE-3 head folder (or hub id) with the target's "
+                             "vocabulary (default: the pair's: on the default pair the shipped head)")
+    drafts.add_argument("--no-draft", action="store_true", help="skip the DSBD rows")
     add_dtype_argument(d)
     d.set_defaults(func=_cmd_demo)
 

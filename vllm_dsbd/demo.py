@@ -43,7 +43,7 @@ PAIR_PROMPTS = {
 
 
 def engine_kwargs(model: str, dtype: str = "float32") -> dict:
-    """LLM(...) settings that work on a 2-core CPU machine (see ARCHITECTURE.md); ``dtype``: float32 unless
+    """LLM(...) settings that work on a 2-core CPU machine (docs/knobs.md); ``dtype``: float32 unless
     asked (the exactness tests use it; the demo and benchmarks pass ``dtypes.machine_dtype()``'s)."""
     return dict(
         model=model,
@@ -87,7 +87,8 @@ def _completion(prompt: str, text: str) -> str:
 
 
 def demo_models(args: argparse.Namespace):
-    """(target, draft or None, prompts) of the demo: the pair's (``--pair``, default ``default``)."""
+    """(target, draft or None, prompts) of the demo: the pair's (``--pair``, default ``default``), or the draft
+    ``--draft`` names."""
     pair = getattr(args, "pair", "default")
     if pair == "default":  # the shipped head needs nothing prepared but the target
         model = args.model or str(models.default_target_path(args.cache_dir))
@@ -95,6 +96,8 @@ def demo_models(args: argparse.Namespace):
     else:
         paths = pairs.pair_paths(pair, args.cache_dir)
         model, draft = args.model or str(paths.target), None if args.no_draft else paths.draft
+    if getattr(args, "draft", None) and not args.no_draft:
+        draft = args.draft  # --draft: the user's draft for the DSBD rows
     return model, draft, PAIR_PROMPTS.get(pair, DEMO_PROMPTS)
 
 
@@ -176,7 +179,7 @@ def run_demo(args: argparse.Namespace) -> int:
         same = outputs_verdict(rows[4][2] == rows[2][2], dtype.dtype)
         print(f"DSBD beam search: {ours / rows[4][1]:.2f}x the speed of in-engine beam search, {same}. "
               "auto_depth drafts only where it pays; on this target at T 0 that is rarely "
-              "(docs/eagle3.md has the measurements).")
+              "(docs/performance.md has the measurements).")
         print(f"DSBD beam sampling: {rows[3][1] / rows[5][1]:.2f}x the speed of in-engine beam sampling "
               "(dynamic width: fewer beams where drafts are rejected; fixed width would be exact beam sampling).")
         print(f"Each row ran once untimed first, then {TIMED_RUNS} times (its median time above); "

@@ -102,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work-dir", default=None, help="teacher data, checkpoints and the chain's heads (default: "
                                                     "the model cache)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--cache-dir", default=None, help="model cache (default: $VLLM_DSBD_CACHE or ~/.cache/vllm-dsbd)")
 
 
 def run(args: argparse.Namespace, parse_args: Callable[[list[str]], argparse.Namespace]) -> int:

@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="directory for the shippable draft")
     p.add_argument("--work-dir", default=None,
                    help="teacher data and checkpoints (default: <cache>/distill-work)")
-    p.add_argument("--stage", choices=("all", "teach", "train", "export"), default="all")
+    p.add_argument("--stage", choices=("all", "teach", "train", "export"), default="all",
+                   help="run one stage (teach: the target's answers; train; export: the checkpoint) or all")
     p.add_argument("--layers", type=int, default=2, help="draft layers (initialised from the target's first ones)")
     p.add_argument("--hidden", type=int, default=576,
                    help="hidden size; must equal the target's (the draft shares its embedding)")
@@ -41,20 +42,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rank of the trained correction added to the target's embedding in the output layer")
     p.add_argument("--tokens", type=int, default=400_000,
                    help="teacher answer tokens to generate and train on (whole shards: a little more)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed of prompts, sampling and training")
     p.add_argument("--seqs-per-shard", type=int, default=512, help="prompts per teacher shard")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest teacher answer")
     p.add_argument("--top-k", type=int, default=64, help="teacher log-probs kept per position")
     p.add_argument("--window", type=int, default=3,
                    help="shards per training round: each shard is trained on this many times")
     p.add_argument("--batch-tokens", type=int, default=1024, help="answer tokens per optimiser step (about)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=20, help="warm-up steps")
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop training after this many rounds (the LR schedule still spans --tokens)")
     p.add_argument("--ckpt-every", type=int, default=1, help="rounds (shards) between checkpoints")
     p.add_argument("--threads", type=int, default=None, help="torch threads for training (default: torch's)")
-    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--cache-dir", default=None, help="model cache (default: $VLLM_DSBD_CACHE or ~/.cache/vllm-dsbd)")
     p.add_argument("--note", action="append", default=[],
                    help="free text for provenance.json (repeatable), e.g. how the stages were run")
 

@@ -37,14 +37,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", required=True, help="the head (speculators format, as train-drafter writes)")
     p.add_argument("--out", default=None, help="result file (default: eval.json in --head)")
     p.add_argument("--depth", type=int, default=4, help="longest draft chain measured")
-    p.add_argument("--num-prompts", type=int, default=len(EVAL_PROMPTS))
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=len(EVAL_PROMPTS), help="held-out prompts measured")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="longest target answer per prompt")
     p.add_argument("--draft-temperature-scales", type=_scales, default=(1.0, 0.75),
                    help="draft temperature scales s of the overlap at T 1, comma-separated (default: 1,0.75)")
     p.add_argument("--compare-pair-draft", action="store_true",
                    help="also measure the pair's small draft model on the same positions (result: pair_draft)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--cache-dir", default=None, help="model cache (default: $VLLM_DSBD_CACHE or ~/.cache/vllm-dsbd)")
 
 
 def _scales(text: str) -> tuple[float, ...]:

@@ -35,13 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None,
                    help="result file (default: eval.json in --draft, or the shipped draft's "
                         "vllm_dsbd/draft/default/eval.json)")
-    p.add_argument("--num-prompts", type=int, default=len(EVAL_PROMPTS))
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prompts", type=int, default=len(EVAL_PROMPTS), help="held-out prompts measured")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="longest target answer per prompt")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the sampled answers")
     p.add_argument("--cost-repeats", type=int, default=60, help="timed forwards of each model")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads, for the in-process vLLM sampling and the HF forwards (default: torch's)")
-    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--cache-dir", default=None, help="model cache (default: $VLLM_DSBD_CACHE or ~/.cache/vllm-dsbd)")
 
 
 def load(path: Path):

@@ -99,7 +99,8 @@ def target_dtype(args: argparse.Namespace, which: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="folder for the head (speculators format)")
     p.add_argument("--work-dir", default=None, help="teacher data and checkpoints (default: the model cache)")
-    p.add_argument("--stage", choices=("all", "teach", "train", "export"), default="all")
+    p.add_argument("--stage", choices=("all", "teach", "train", "export"), default="all",
+                   help="run one stage (teach: the target's answers and features; train; export) or all")
     p.add_argument("--tokens", type=int, default=500_000, help="answer tokens to train on")
     p.add_argument("--teach-tokens", type=int, default=None, help="answer tokens to generate (default: --tokens)")
     p.add_argument("--shards", type=_shards, default=0,
@@ -107,7 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and 'train' reads only them (default 0: 'train' reads every shard written; own checkpoint)")
     p.add_argument("--teacher-temperature", type=_temperature, default=1.0,
                    help="temperature of the target's training answers (0: its greedy answers; own folder per value)")
-    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--draft-vocab-size", type=int, default=8192,
+                   help="the head's vocabulary: the target's most frequent answer tokens (a d2t map)")
     p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps (at least the γ you will use)")
     p.add_argument("--head-layers", type=_layers, default=1,
                    help="decoder layers of the head (1: EAGLE-3's; more cost a draft forward each)")
@@ -124,15 +126,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--features-dtype", choices=DTYPE_CHOICES, default="auto",
                    help="dtype the target computes the head's training features in (auto: bfloat16 on a machine "
                         "with native bf16, else float32; own feature store and checkpoint for bfloat16)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--batch-tokens", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--batch-tokens", type=int, default=2048, help="answer tokens per optimiser step (about)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of prompts, sampling and training")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default="cpu",
                    help="torch device of the train stage (target features and the head), e.g. cuda; "
                         "the teach stage runs on vLLM's platform")
     p.add_argument("--stop-after", type=int, default=None, help="optimiser steps to run, then stop (resumable)")
-    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--cache-dir", default=None, help="model cache (default: $VLLM_DSBD_CACHE or ~/.cache/vllm-dsbd)")
 
 
 def run(args: argparse.Namespace) -> int:
