@@ -62,6 +62,7 @@ MODULE_ORDER = [
     "engine/test_fuzz.py",
     # dsbd_tiny_spec_llm, tiny_eos_llm, dsbd_spec_target_llm, target_llm
     "engine/test_demo.py",  # the demo's own engines, in a subprocess, after the pool is cleared
+    "engine/test_examples.py",  # shipped_head_llm (examples/; the served one is in e2e/test_serve.py)
     "engine/test_tensor_parallel.py", "engine/test_ray_executor.py", "engine/test_ray_data_example.py",
     "e2e/test_serve.py",
 ]

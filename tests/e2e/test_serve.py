@@ -233,3 +233,18 @@ def test_boolean_knobs_are_taken_over_http(client):
         r = client.completions.create(model="tiny", prompt=PROMPT, n=n, max_tokens=5, temperature=1.0, seed=1,
                                       extra_body={"vllm_xargs": knobs})
         assert len(r.choices) == n
+
+
+def test_the_served_example_gets_beams_from_completions_and_chat(client):
+    """examples/served_openai_client.py's requests against this server: each returns the beams it asks for."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "served_openai_client.py"
+    spec = importlib.util.spec_from_file_location("example_served_openai_client", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    got = example.query(client, "tiny", width=4, max_tokens=8)
+    assert [len(got[name]) for name in ("completions, use_beam_search", "completions, DSBD beam sampling",
+                                        "chat, use_beam_search", "chat, in-engine beam sampling")] == [4, 2, 2, 1]
+    assert all(isinstance(text, str) for texts in got.values() for text in texts)
