@@ -38,7 +38,8 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-PROMPTS = ["Once upon a time", "The capital of France is", "def add(a, b):", "List three fruits:\n1."]
+from benchmarks.fuzz_requests import PROMPTS, Completion, Result, Spec  # the requests and answers
+
 LONG_PROMPT = "word " * 600  # longer than the engines' max_model_len (512)
 BIASED = 30  # the token id logit_bias pushes up (in no stop-token pool)
 STOP_RANGE = list(range(1000, 6000))  # about one token in ten of the random-weight tiny model stops
@@ -64,63 +65,6 @@ DSBD_EXTRAS = {"memory_efficient": True, "auto_depth": True, "length_penalty": 0
 BAD_KNOBS = [{"beam_width": 0}, {"beam_width": 9}, {"beam_width": "x"}, {"num_speculative_tokens": 4},
              {"num_speculative_tokens": -1}, {"width_threshold": 1.5}, {"min_width": 0}, {"mjsd_tau": -1.0},
              {"decoder": "beams"}, {"beam_widht": 4}, {"length_penalty": "long"}, {"draft_temperature_scale": 0}]
-
-
-@dataclass
-class Spec:
-    """One request as a user sends it: the decoder, the prompt, the options and the knobs (extra_args)."""
-
-    kind: str
-    prompt: str
-    options: dict[str, Any]
-    knobs: dict[str, Any] = field(default_factory=dict)
-    abort_after: int | None = None  # engine steps (offline) or seconds (served) before the client aborts
-    api: bool = False  # offline: through LLM.beam_search (kind beam_search) rather than the mixed batch
-
-    def __repr__(self) -> str:
-        prompt = self.prompt if len(self.prompt) < 80 else f"{self.prompt[:20]!r}... ({len(self.prompt)} chars)"
-        options = {k: (f"<{len(v)} ids {v[0]}..{v[-1]}>" if isinstance(v, list) and len(v) > 8 else v)
-                   for k, v in self.options.items()}
-        extra = f", abort_after={self.abort_after}" if self.abort_after else ""
-        return f"Spec({self.kind}, {prompt!r}, {options}, knobs={self.knobs}{extra}{', api' if self.api else ''})"
-
-    @property
-    def n(self) -> int:
-        return self.options.get("n", 1)
-
-    @property
-    def greedy(self) -> bool:
-        return self.kind == "beam_search" or self.options.get("temperature", 1.0) == 0.0
-
-    def names(self) -> set[str]:
-        """What a refusal may name: the options and knobs set, the prompt, and the knobs' carrier."""
-        return set(self.options) | set(self.knobs) | {"prompt", "extra_args", "vllm_xargs", "max_model_len"}
-
-    def sampling_params(self):
-        from vllm import SamplingParams
-        from vllm.sampling_params import StructuredOutputsParams
-
-        from vllm_dsbd.entrypoints.beam_search import sampling_params_for
-
-        options = dict(self.options)
-        if "structured_outputs" in options:
-            options["structured_outputs"] = StructuredOutputsParams(**options["structured_outputs"])
-        if self.kind == "beam_search":  # what LLM.beam_search and the server's use_beam_search submit
-            return sampling_params_for(self.beam_search_params())
-        return SamplingParams(**options, extra_args=dict(self.knobs) or None)
-
-    def beam_search_params(self):
-        """A beam-search request's ``BeamRequestParams``: its stop rules, logprobs and knobs, and the options
-        a search does not apply named in ``not_applied``, as the server's use_beam_search builds them."""
-        from vllm_dsbd.entrypoints.beam_search import BeamRequestParams
-
-        options = dict(self.options)
-        own = {k: options.pop(k) for k in ("stop", "stop_token_ids", "logprobs", "include_stop_str_in_output",
-                                           "ignore_eos") if k in options}
-        not_applied = [f"{k}={v!r}" for k, v in options.items()
-                       if k not in ("n", "max_tokens", "temperature", "seed", "detokenize")]
-        return BeamRequestParams(beam_width=options.get("n", 1), max_tokens=options["max_tokens"],
-                                 not_applied=not_applied or None, extra_args=self.knobs or None, **own)
 
 
 @st.composite
@@ -173,22 +117,6 @@ def specs(draw) -> Spec:
 
 def batches(max_size: int = 4):
     return st.lists(specs(), min_size=1, max_size=max_size)
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]
-    text: str | None  # None where the transport does not return the completion's own text
-    finish_reason: str | None
-    stop_reason: Any
-    logprobs: list | None  # per token: the ids (offline) or strings (served) it holds
-
-
-@dataclass
-class Result:
-    outcome: str  # "answered", "refused", "aborted" or "failed"
-    completions: list[Completion] = field(default_factory=list)
-    message: str = ""
 
 
 def _named(message: str, names: set[str]) -> bool:
@@ -496,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     kv_bytes = PRESSURE_KV_BYTES if args.pressure else 256 << 20
     ballast = PRESSURE_BALLAST if args.pressure else 0
-    from benchmarks.fuzz_served import Served
+    from benchmarks.fuzz_served import Served  # no cycle: fuzz_served imports fuzz_requests, not this
     from benchmarks.machine import machine_facts
 
     args.out.mkdir(parents=True, exist_ok=True)

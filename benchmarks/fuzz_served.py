@@ -17,7 +17,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.fuzz import PROMPTS, Completion, Result, Spec
+from benchmarks.fuzz_requests import PROMPTS, Completion, Result, Spec
 from benchmarks.soak import _free_port, server_metrics
 
 #: Seconds before a client hangs up, for ``Spec.abort_after`` 1 and 3.
