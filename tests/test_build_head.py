@@ -118,7 +118,7 @@ def test_build_head_refuses_a_pair_without_a_recipe_or_a_recipe_of_another_pair(
 
 
 def test_the_qwen_recipe_is_the_documented_chain_of_four_runs():
-    """Each run parses as a train-drafter command line and is the run docs/eagle3.md records for that head."""
+    """Each run parses as a train-drafter command line and is the run docs/dev/eagle3-internals.md records for that head."""
     from vllm_dsbd import cli
 
     recipe = build_head.load_recipe(build_head.recipe_path("qwen2.5-coder"))

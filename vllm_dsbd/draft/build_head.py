@@ -9,7 +9,7 @@ resumable); a run whose head is already exported with the same flags is
 skipped, so the command run again after a stop goes on where it stopped. The
 last run's head goes to ``--out``; ``eval-head`` then measures it and the head's
 ``dsbd.json`` recommends the draft temperature scale of its best overlap at T 1
-(docs/eagle3.md).
+(docs/dev/eagle3-internals.md).
 """
 
 from __future__ import annotations

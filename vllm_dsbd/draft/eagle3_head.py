@@ -11,7 +11,7 @@ the teacher shards (bf16, one file per shard), and a small resumable CPU
 training loop over them. Data: the target's own answers (``draft.teacher``
 shards, made with vLLM).
 
-Rows follow DSBD's layout (docs/eagle3.md): row p holds token p and the
+Rows follow DSBD's layout (docs/dev/eagle3-internals.md): row p holds token p and the
 feature of position p - 1 (zeros at p = 0), at position p, and learns the
 target's distribution after token p. speculators' ``shift_batch`` layout is the
 same without the position-0 row.
@@ -208,7 +208,7 @@ class TargetFeatures:
 FEATURE_DTYPE = torch.bfloat16  # what the head's bf16 autocast would make of them anyway
 FEATURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """The dtypes the target may compute the features in (``--features-dtype``): bf16 is about 2.5-3x faster on a
-CPU with native bf16, and it is what the engine's target computes there (docs/eagle3.md)."""
+CPU with native bf16, and it is what the engine's target computes there (docs/dev/eagle3-internals.md)."""
 
 
 def _store_prefix(dtype: str) -> str:

@@ -2,7 +2,7 @@
 
 On held-out prompts (``prompts.EVAL_PROMPTS``, never used for training) the
 target answers greedily (vLLM, T = 0). The head is then teacher-forced on
-prompt + answer exactly as DSBD feeds it (docs/eagle3.md): depth 1 reads the
+prompt + answer exactly as DSBD feeds it (docs/dev/eagle3-internals.md): depth 1 reads the
 target's features, depth k > 1 its own output of depth k - 1. For each answer
 position p and depth k, the chain of k drafts starting after p agrees when
 every draft is the target's own top-1 token (full vocabulary, after the
