@@ -59,3 +59,24 @@ def test_serve_hands_every_argument_to_vllm(monkeypatch):
     monkeypatch.setattr(serve, "main", lambda argv: seen.append(argv) or 0)
     assert cli.main(["serve", "MODEL", "--help", "--speculative-method", "dsbd"]) == 0
     assert seen == [["MODEL", "--help", "--speculative-method", "dsbd"]]
+
+
+def test_train_drafter_takes_a_llama_or_qwen2_target_folder_and_refuses_others_in_one_line(tmp_path, capsys):
+    import json
+
+    from vllm_dsbd.draft import train_drafter
+
+    llama, gpt2 = tmp_path / "my-llama", tmp_path / "my-gpt2"
+    for folder, arch in ((llama, "LlamaForCausalLM"), (gpt2, "GPT2LMHeadModel")):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"architectures": [arch], "num_hidden_layers": 4}))
+    args = cli.build_parser().parse_args(["train-drafter", "--out", "h", "--target", str(llama)])
+    assert train_drafter.target_of(args) == (llama, "target-my-llama")
+    assert train_drafter.checkpoint_name(args, 4, "target-my-llama").startswith("head-target-my-llama-seed0-")
+    for folder, why in ((gpt2, "architecture GPT2LMHeadModel is not supported; allowed: LlamaForCausalLM, "
+                                "Qwen2ForCausalLM"),
+                        (tmp_path / "none", "no config.json there; allowed: a Hugging Face model folder")):
+        assert cli.main(["train-drafter", "--out", str(tmp_path / "h"), "--target", str(folder),
+                         "--work-dir", str(tmp_path / "w")]) == 2
+        assert capsys.readouterr().err == f"error: --target {folder}: {why}\n"
+    assert not (tmp_path / "w").exists()  # refused before any work

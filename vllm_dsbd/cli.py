@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from vllm_dsbd.draft import train_drafter
 
-    td = sub.add_parser("train-drafter", help="train an EAGLE-3 head for a pair's target (speculators format)")
+    td = sub.add_parser("train-drafter", help="train an EAGLE-3 head (speculators format) for a pair's target, or "
+                                              "for a Llama or Qwen2 target folder (--target)")
     train_drafter.add_arguments(td)
     _add_pair_argument(td)
     td.set_defaults(func=_cmd_train_drafter)

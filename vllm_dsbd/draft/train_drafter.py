@@ -1,4 +1,5 @@
-"""The ``vllm-dsbd train-drafter`` command: an EAGLE-3 head for a pair's target (``draft.eagle3_head``).
+"""The ``vllm-dsbd train-drafter`` command: an EAGLE-3 head for a pair's target, or for any Llama- or
+Qwen2-architecture target folder (``--target``) (``draft.eagle3_head``).
 
 Stages (``--stage``; ``all`` runs them in order, each resumable): ``teach`` (the
 target answers training prompts with vLLM: ``draft.teacher`` shards), ``train``
@@ -76,10 +77,37 @@ def dtype_tag(dtype: str) -> str:
     return "" if dtype == "float32" else "-bf16"
 
 
-def checkpoint_name(args: argparse.Namespace, target_layers: int) -> str:
+#: Target architectures a head can be trained for: those whose hidden states this project's feature extraction
+#: and vLLM's EAGLE-3 support (``SupportsEagle3``) have been run on here.
+TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+def target_of(args: argparse.Namespace) -> tuple[Path, str]:
+    """(the target folder, the name its teacher data and checkpoints carry): ``--target DIR`` (refused unless a
+    model folder of a supported architecture) or the prepared target of ``--pair``."""
+    import json
+
+    from vllm_dsbd import pairs
+    from vllm_dsbd.draft.eagle3_head import Refused
+
+    if not getattr(args, "target", None):
+        return Path(pairs.pair_paths(args.pair, args.cache_dir).target), args.pair
+    target = Path(args.target)
+    config = target / "config.json"
+    if not config.is_file():
+        raise Refused(f"--target {target}: no config.json there; allowed: a Hugging Face model folder")
+    architectures = json.loads(config.read_text()).get("architectures") or []
+    if not set(architectures) & set(TARGET_ARCHITECTURES):
+        raise Refused(f"--target {target}: architecture {', '.join(architectures) or 'unknown'} is not supported; "
+                      f"allowed: {', '.join(TARGET_ARCHITECTURES)}")
+    return target, f"target-{target.resolve().name}"
+
+
+def checkpoint_name(args: argparse.Namespace, target_layers: int, source: str | None = None) -> str:
     """The checkpoint folder of a run: a suffix per setting away from its default (none: the names older
-    versions used), since a checkpoint resumes only with the settings it was trained with."""
-    return (f"head-{args.pair}-seed{args.seed}-v{args.draft_vocab_size}-ttt{args.ttt_steps}-tok{args.tokens}"
+    versions used), since a checkpoint resumes only with the settings it was trained with. ``source``: what
+    the head is for (default: ``--pair``; ``target_of`` names a ``--target``)."""
+    return (f"head-{source or args.pair}-seed{args.seed}-v{args.draft_vocab_size}-ttt{args.ttt_steps}-tok{args.tokens}"
             + (f"-layers{args.head_layers}" if args.head_layers != 1 else "")
             + aux_tag(args.aux_layers, target_layers) + ("-fcnorm" if args.fc_norm else "")
             + data_tag(args.teacher_temperature) + ("-teachbf16" if target_dtype(args, "teacher") == "bfloat16" else "")
@@ -98,6 +126,9 @@ def target_dtype(args: argparse.Namespace, which: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="folder for the head (speculators format)")
+    p.add_argument("--target", default=None,
+                   help="a target model folder to train for instead of --pair's, of a Llama or Qwen2 architecture "
+                        "(its teacher data and checkpoints are named after the folder)")
     p.add_argument("--work-dir", default=None, help="teacher data and checkpoints (default: the model cache)")
     p.add_argument("--stage", choices=("all", "teach", "train", "export"), default="all",
                    help="run one stage (teach: the target's answers and features; train; export) or all")
@@ -143,17 +174,17 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from vllm_dsbd import models, pairs
+    from vllm_dsbd import models
     from vllm_dsbd.draft import eagle3_head, teacher
 
     device = eagle3_head.training_device(args.device)  # before any work
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = Path(pairs.pair_paths(args.pair, args.cache_dir).target)
+    target, source = target_of(args)  # before any work: a bad --target is one error line
     work = Path(args.work_dir) if args.work_dir else models.cache_root(args.cache_dir) / "eagle3-work"
     tag = data_tag(args.teacher_temperature)
     teach_dtype = target_dtype(args, "teacher")
-    data = work / f"teacher-{args.pair}-seed{args.seed}{tag}{dtype_tag(teach_dtype)}"
+    data = work / f"teacher-{source}-seed{args.seed}{tag}{dtype_tag(teach_dtype)}"
     layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
     aux_ids = aux_layer_ids(args.aux_layers, layers)
     settings = eagle3_head.HeadSettings(
@@ -163,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         teacher_dtype=teach_dtype, features_dtype=target_dtype(args, "features"),
         from_pretrained=str(Path(args.from_pretrained).resolve()) if args.from_pretrained else "",
         shards=args.shards)
-    ckpt = work / checkpoint_name(args, layers)
+    ckpt = work / checkpoint_name(args, layers, source)
     if args.stage in ("all", "teach"):
         with tqdm(total=None if args.shards else args.teach_tokens or args.tokens, desc="teacher", unit="tok",
                   unit_scale=True) as bar:
