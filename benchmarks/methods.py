@@ -304,7 +304,7 @@ def _hf_beam_sampling(model, s: Settings) -> GenerateFn:
 
 
 # ---------------------------------------------------------------------------
-# vllm-dsbd: the documented user API (shared/design/ARCHITECTURE.md, "What
+# vllm-dsbd: the documented user API (README.md, docs/getting-started.md: "what
 # users do"). In-engine beam decoding runs on a DSBD engine without a draft
 # (num_speculative_tokens 0); the speculative DSBD methods on a DSBD engine
 # drafting with the run's draft (num_speculative_tokens γ).

@@ -1,6 +1,6 @@
 """DSBDConfig: every DSBD knob, validated once, with errors that say what to fix.
 
-Knob names follow ``shared/design/ALGORITHM.md`` everywhere (config, CLI,
+Knob names follow docs/algorithm.md and docs/knobs.md everywhere (config, CLI,
 API, metrics). Engine-wide values come from the speculative config::
 
     speculative_config={"method": "dsbd", "model": DRAFT,

@@ -2,7 +2,7 @@
 
 vLLM's own ``--dtype auto`` turns a float32 checkpoint into bfloat16 on every
 x86 CPU, with or without native bf16 instructions; without them bf16 is
-slower than float32 (``shared/design/PERF_NOTES.md``). The demo, the examples
+slower than float32 (docs/dtype.md). The demo, the examples
 and the benchmarks therefore pick the dtype from the CPU's flags
 (:func:`machine_dtype`) and say which they picked and why; ``vllm-dsbd dtype``
 prints it for shell commands (``vllm-dsbd serve T --dtype "$(vllm-dsbd dtype)"``).
