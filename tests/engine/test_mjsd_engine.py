@@ -58,7 +58,7 @@ def test_seeded_mjsd_sampling_equals_the_reference_decoder(dsbd_tiny_spec_llm, t
     """T = 1 (with top-k / top-p): the engine's tokens equal ``mjsd_decode`` over Hugging Face logits of the
     same target and draft, seeded as the engine seeds its draws (per iteration and draw)."""
     from vllm_dsbd.algorithm.mjsd import MJSDParams, mjsd_decode
-    from vllm_dsbd.engine.spec_step import generator
+    from vllm_dsbd.engine.streams import generator
 
     import torch
 

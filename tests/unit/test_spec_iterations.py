@@ -19,7 +19,8 @@ from vllm_dsbd.algorithm.reference import DecodeParams, beam_search
 from vllm_dsbd.algorithm.toy import MarkovLM, perturbed_draft, random_markov
 from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams
 from vllm_dsbd.engine.group_effects import Extend, Fork, Free, PathRequest
-from vllm_dsbd.engine.spec_step import DraftStore, draft_layer, expand_joint, verify
+from vllm_dsbd.engine.spec_step import DraftStore, draft_layer, expand_joint
+from vllm_dsbd.engine.verify_step import verify
 
 
 class Req:
@@ -321,7 +322,7 @@ def test_a_heads_draft_layer_draws_what_sampling_over_the_whole_vocabulary_draws
     same scores and the same joint Q (0 outside the draft vocabulary), as the joint over all V tokens does."""
     from vllm_dsbd.algorithm import joint_probs, sample_joint, tempered_logprobs
     from vllm_dsbd.engine.protocol import DraftStep
-    from vllm_dsbd.engine.spec_step import generator
+    from vllm_dsbd.engine.streams import generator
 
     width, vocab = 4, 1000
     gen = torch.Generator().manual_seed(3)
@@ -385,14 +386,14 @@ def test_every_random_stream_of_a_request_is_its_own():
     """A request's draft layers, verifications and beam steps draw from distinct generators at every
     iteration: a beam step that redrew a draft layer's uniforms made fixed-width DSBD inexact."""
     from vllm_dsbd.config import MAX_DRAFT_LAYERS
-    from vllm_dsbd.engine import beam_step, spec_step, streams
+    from vllm_dsbd.engine import beam_step, streams
 
     assert MAX_DRAFT_LAYERS < streams.VERIFY_SALT < streams.BEAM_STEP_SALT < streams.STEP_STRIDE
     seen = {}
     for step in range(40):
         for purpose, g in [(("beam", step), beam_step.group_generator(7, step)),
-                           (("verify", step), spec_step.generator(7, step, spec_step.VERIFY_SALT))] + [
-                (("draft", step, layer), spec_step.generator(7, step, layer)) for layer in range(1, 9)]:
+                           (("verify", step), streams.generator(7, step, streams.VERIFY_SALT))] + [
+                (("draft", step, layer), streams.generator(7, step, layer)) for layer in range(1, 9)]:
             first = tuple(torch.rand(4, generator=g).tolist())
             assert first not in seen, f"{purpose} draws what {seen[first]} draws"
             seen[first] = purpose

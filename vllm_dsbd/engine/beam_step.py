@@ -87,16 +87,16 @@ def row_tokens(decision: GroupDecision, num_beams: int) -> list[int | None]:
 
 def _search_step(logits: Tensor, g: GroupStep, finishes: CandidateFinishes | None) -> GroupDecision:
     raw = torch.log_softmax(logits, dim=-1)  # [B, V]
-    num_beams = raw.shape[0]
+    num_beams, device = raw.shape[0], logits.device
     step = beam_search_step(
         raw[None],
-        torch.tensor([g.scores], dtype=torch.float64),
-        torch.ones((1, num_beams), dtype=torch.bool),
-        torch.tensor([g.seq_len]),
+        torch.tensor([g.scores], dtype=torch.float64, device=device),
+        torch.ones((1, num_beams), dtype=torch.bool, device=device),
+        torch.tensor([g.seq_len], device=device),
         g.beam_width,
         g.eos_token_id,
-        torch.tensor([g.ignore_eos]),
-        torch.tensor([g.length_penalty], dtype=torch.float64),
+        torch.tensor([g.ignore_eos], device=device),
+        torch.tensor([g.length_penalty], dtype=torch.float64, device=device),
         g.stop_token_ids,
         finishes,
     )
@@ -108,14 +108,14 @@ def _search_step(logits: Tensor, g: GroupStep, finishes: CandidateFinishes | Non
 
 def _sampling_step(logits: Tensor, g: GroupStep, finishes: CandidateFinishes | None) -> GroupDecision:
     tempered = tempered_logprobs(logits, g.temperature)  # [B, V]
-    num_beams, vocab = tempered.shape
-    scores = torch.tensor([g.scores], dtype=torch.float64)
-    probs = joint_probs(scores, torch.ones((1, num_beams), dtype=torch.bool), tempered[None],
-                        torch.tensor([g.top_k]), torch.tensor([g.top_p]))  # [1, B*V]
+    (num_beams, vocab), device = tempered.shape, logits.device
+    scores = torch.tensor([g.scores], dtype=torch.float64, device=device)
+    probs = joint_probs(scores, torch.ones((1, num_beams), dtype=torch.bool, device=device), tempered[None],
+                        torch.tensor([g.top_k], device=device), torch.tensor([g.top_p], device=device))  # [1, B*V]
     draws = sample_joint(probs, g.beam_width, group_generator(g.seed, g.step, logits.device))[0]  # [W]
     parents, tokens = draws // vocab, draws % vocab
     new_scores = scores[0, parents] + tempered[parents, tokens].double()
-    ends, _ = finishing_tokens(tokens, g.eos_token_id, torch.tensor(g.ignore_eos), g.stop_token_ids)
+    ends, _ = finishing_tokens(tokens, g.eos_token_id, torch.tensor(g.ignore_eos, device=device), g.stop_token_ids)
     if finishes is not None:
         ends = ends | finishes(parents[None], tokens[None])[0]
     raw = torch.log_softmax(logits, dim=-1)

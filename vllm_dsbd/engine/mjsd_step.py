@@ -25,8 +25,9 @@ from torch import Tensor
 from vllm_dsbd.algorithm import probs_from_logprobs_, sample_joint
 from vllm_dsbd.algorithm.mjsd import accepted_length, log_tau, node_conditionals_at, token_logprobs
 from vllm_dsbd.engine.protocol import DraftStep, VerifyChoice, VerifyDecision, VerifyStep, layer_slot
-from vllm_dsbd.engine.spec_step import (VERIFY_SALT, expand_joint, generator, node_completes, node_token_finishes,
-                                       token_logprob)
+from vllm_dsbd.engine.spec_step import expand_joint
+from vllm_dsbd.engine.streams import VERIFY_SALT, generator
+from vllm_dsbd.engine.verify_step import node_completes, node_token_finishes, token_logprob
 from vllm_dsbd.engine.stops import StopCheckers
 
 

@@ -43,7 +43,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.engine import (beam_step, cpu_memory, draft_head, eagle3, forest_attention, forest_draft, mjsd_step,
-                              spec_step)
+                              spec_step, verify_step)
 from vllm_dsbd.engine.protocol import (PLAN_ATTR, RESULT_ATTR, GroupTiming, StepPlan, StepResult, first_path_through,
                                        layer_slot)
 from vllm_dsbd.engine.stops import StopCheckers
@@ -279,27 +279,15 @@ class DSBDModelRunnerMixin:
                     timing = result.timings[step.group_id]
                     decision.next_layers, timing.draft_rows = forest_draft.draft_after_beam_step(self, step, decision)
                     timing.draft_seconds = time.perf_counter() - drafting
+            self._verify(logits, plan, req_index, start, count, result)
             for vs in plan.verify_steps:
-                rows = [req_index[rid] for rid in vs.path_req_ids]
-                path_logits = [logits[start[i]:start[i] + count[i]] for i in rows]
-                joints, support = None, None
-                if vs.temperature > 0 or vs.mjsd_tau is not None:
-                    num_layers = len(vs.draft_parents)
-                    joints, support = (self._dsbd_drafts.take(vs.group_id, vs.step, num_layers) if num_layers
-                                       else (torch.zeros((0, vs.beam_width * logits.shape[-1])), None))
-                verifying = time.perf_counter()
-                if vs.mjsd_tau is None:
-                    decision = spec_step.verify(path_logits, vs, joints, self._dsbd_stops, support)
-                else:  # an MJSD group's draft layers were kept over the whole vocabulary (mjsd_step.kept_draft)
-                    decision = mjsd_step.verify(path_logits, vs, joints, self._dsbd_stops)
-                timing = result.timings[vs.group_id] = GroupTiming(time.perf_counter() - verifying)
+                decision, timing = result.verify_decisions[vs.group_id], result.timings[vs.group_id]
                 if vs.draft_next:  # the next iteration's forest, in this step (engine.forest_draft)
                     drafting = time.perf_counter()
                     decision.next_layers, timing.draft_rows = forest_draft.draft(self, vs, decision)
                     timing.draft_seconds = time.perf_counter() - drafting
-                result.verify_decisions[vs.group_id] = decision
-                for i, tokens in zip(rows, _path_row_tokens(vs, decision)):
-                    _set_row(sampled, discard, i, tokens)
+                for rid, tokens in zip(vs.path_req_ids, _path_row_tokens(vs, decision)):
+                    _set_row(sampled, discard, req_index[rid], tokens)
         for rid in plan.discard_req_ids:
             i = req_index.get(rid)
             if i is not None:
@@ -309,6 +297,32 @@ class DSBDModelRunnerMixin:
         self._dsbd_profile.decided(time.perf_counter() - decide_start,
                                    sum(t.draft_seconds for t in result.timings.values()))
         return sampler_output
+
+    def _verify(self, logits, plan: StepPlan, req_index, start, count, result: StepResult) -> None:
+        """Every verify step's decision: the DSBD groups in one batched pass (``engine.verify_step``), each MJSD
+        group on its own; each group's timing is its share of the pass."""
+        inputs, mjsd = [], []
+        for vs in plan.verify_steps:
+            joints, support = None, None
+            if vs.temperature > 0 or vs.mjsd_tau is not None:
+                num_layers = len(vs.draft_parents)
+                joints, support = (self._dsbd_drafts.take(vs.group_id, vs.step, num_layers) if num_layers
+                                   else (logits.new_zeros((0, vs.beam_width * logits.shape[-1]), dtype=torch.float32), None))
+            if vs.mjsd_tau is None:
+                inputs.append(verify_step.GroupInput(vs, [int(start[req_index[r]]) for r in vs.path_req_ids],
+                                                     joints, support))
+            else:
+                mjsd.append((vs, joints))
+        if inputs:
+            verifying = time.perf_counter()
+            result.verify_decisions.update(verify_step.verify_groups(logits, inputs, self._dsbd_stops))
+            share = (time.perf_counter() - verifying) / len(inputs)  # decided together
+            result.timings.update({g.vs.group_id: GroupTiming(share) for g in inputs})
+        for vs, joints in mjsd:  # an MJSD group's draft layers were kept over the whole vocabulary
+            verifying = time.perf_counter()
+            path_logits = [logits[start[i]:start[i] + count[i]] for i in (req_index[r] for r in vs.path_req_ids)]
+            result.verify_decisions[vs.group_id] = mjsd_step.verify(path_logits, vs, joints, self._dsbd_stops)
+            result.timings[vs.group_id] = GroupTiming(time.perf_counter() - verifying)
 
     def _sample_last_rows(self, logits, metadata):
         """vLLM's sampler on each request's last logits row, laid out as the rejection sampler's output.

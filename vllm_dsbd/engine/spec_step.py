@@ -8,10 +8,11 @@ models. One DSBD iteration of a group (ALGORITHM.md) runs as:
   (parent slot, token); ``W`` nodes are drawn from it with replacement
   (``T > 0``) or taken by the draft's beam search (``T = 0``). ``Q_i`` stays
   in the runner (:class:`DraftStore`) until the iteration is verified;
-- verification (:func:`verify`): the target's logits at every node of every
-  root-to-leaf path (one target forward) give ``p(. | node)``; then
-  ``algorithm.verify_forest`` (layer-by-layer acceptance with residuals and
-  the width rule) or ``algorithm.verify_forest_greedy`` (lossless beam search).
+- verification (``engine.verify_step``, every group of the step together): the
+  target's logits at every node of every root-to-leaf path (one target forward)
+  give ``p(. | node)``; then ``algorithm.verify_forest`` (layer-by-layer
+  acceptance with residuals and the width rule) or
+  ``algorithm.verify_forest_greedy`` (lossless beam search).
 
 Layouts (``algorithm.forest``): a layer has ``W`` slots; layer 0 holds the
 live beams; node id of (layer ``i``, slot ``j``) is ``j`` for ``i = 0`` and
@@ -27,20 +28,9 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from vllm_dsbd.algorithm import (
-    beam_search_step,
-    joint_probs,
-    sample_joint,
-    tempered_logprobs,
-    token_finishes,
-    verify_forest,
-    verify_forest_greedy,
-)
-from vllm_dsbd.engine.protocol import (
-    DraftDecision, DraftStep, TokenLogprob, VerifyChoice, VerifyDecision, VerifyStep, layer_slot, node_id)
-from vllm_dsbd.engine.stops import StopCheckers
-from vllm_dsbd.engine.streams import VERIFY_SALT, generator
-
+from vllm_dsbd.algorithm import beam_search_step, joint_probs, sample_joint, tempered_logprobs
+from vllm_dsbd.engine.protocol import DraftDecision, DraftStep, VerifyStep
+from vllm_dsbd.engine.streams import generator
 
 
 class DraftStore:
@@ -158,7 +148,7 @@ def shared_node_rows(verify_steps: Sequence[VerifyStep], row_start: Mapping[str,
     """Per logits row, the row whose logits it may take: itself, or an earlier row of the same forest node.
 
     Root-to-leaf paths repeat the nodes they share (a root with several children is on several paths),
-    and :func:`verify` reads each node's logits from the first path through it, so the target's head
+    and ``verify_step`` reads each node's logits from the first path through it, so the target's head
     needs only those rows. row_start: the first logits row of each path request (its rows follow the
     path's nodes, root first). Returns [num_rows] int64, or None when no row repeats a node.
 
@@ -177,182 +167,3 @@ def shared_node_rows(verify_steps: Sequence[VerifyStep], row_start: Mapping[str,
                 else:
                     first_row[node] = row
     return source if shared else None
-
-
-def verify(path_logits: Sequence[Tensor], vs: VerifyStep, draft_joints: Tensor | None,
-           stops: StopCheckers | None = None, draft_support: Tensor | None = None) -> VerifyDecision:
-    """Verify one group's forest.
-
-    path_logits: per path of ``vs.paths``, [len(path), V] target logits at its
-    nodes (root first). draft_joints: [layers, W*V] (``T > 0``; None at ``T = 0``), or [layers, W*K] over
-    the columns of ``draft_support`` (:class:`DraftStore`).
-    stops: the stop-string checkers (needed with ``vs.stop``): a child of a
-    node finishes when the node's text with its token completes a stop string.
-    """
-    width, num_layers = vs.beam_width, len(vs.draft_parents)
-    vocab = path_logits[0].shape[-1]
-    num_nodes = (num_layers + 1) * width
-    node_logits = torch.zeros((num_nodes, vocab))
-    filled: set[int] = set()
-    for path, rows in zip(vs.paths, path_logits):
-        for node, row in zip(path, rows):
-            if node not in filled:
-                node_logits[node] = row
-                filled.add(node)
-    for leaf, twin in vs.aliases:  # a leaf drawn twice: computed once, on its twin's path
-        node_logits[leaf] = node_logits[twin]
-    if vs.temperature > 0:
-        target = tempered_logprobs(node_logits, vs.temperature)  # [nodes, V]
-        raw = _RawLogprobs(node_logits, target if vs.temperature == 1 else None)
-    else:
-        raw = torch.log_softmax(node_logits, dim=-1)  # [nodes, V]
-    parents = torch.tensor(vs.draft_parents, dtype=torch.long).reshape(1, num_layers, width)
-    tokens = torch.tensor(vs.draft_tokens, dtype=torch.long).reshape(1, num_layers, width)
-    exists = torch.tensor(vs.draft_exists, dtype=torch.bool).reshape(1, num_layers, width)
-    root_scores = torch.tensor([vs.root_scores], dtype=torch.float64)
-    root_valid = torch.tensor([vs.root_valid])
-    ignore_eos = torch.tensor([vs.ignore_eos])
-    completes = node_completes(vs, stops)
-    ends = node_token_finishes(vs, completes)
-    node_finishes = _node_finishes(completes)
-
-    def choice(parent_node: int, token: int, score: float) -> VerifyChoice:
-        return VerifyChoice(parent_node, token, score,
-                            _path_logprobs(raw, parent_node, token, vs, width, vs.num_logprobs))
-
-    proposed = exists[0].sum(-1).tolist()
-    if vs.temperature > 0:
-        res = verify_forest(
-            target.reshape(1, num_layers + 1, width, vocab), root_scores, root_valid, draft_joints[None], parents, tokens, exists,
-            torch.tensor([num_layers]), torch.tensor([vs.width_threshold]), vs.min_width, vs.num_out,
-            generator(vs.seed, vs.step, VERIFY_SALT), torch.tensor([vs.top_k]), torch.tensor([vs.top_p]),
-            vs.eos_token_id, ignore_eos, vs.stop_token_ids, node_finishes, draft_support,
-        )
-        passed = int(res.num_passed[0])
-        node_accepted, node_scores = res.accepted[0].tolist(), res.node_scores[0].tolist()  # [layers][W]
-        beams, finished, widths = [], [], []
-        for layer in range(passed):  # accepted EOS drafts of passed layers are finished hypotheses
-            live = 0
-            for slot in range(width):
-                if not node_accepted[layer][slot]:
-                    continue
-                parent_node = node_id(layer, vs.draft_parents[layer][slot], width)
-                token = vs.draft_tokens[layer][slot]
-                if ends(parent_node, token):
-                    finished.append(choice(parent_node, token, node_scores[layer][slot]))
-                else:
-                    live += 1
-            widths.append(live)
-        num_out = int(res.out_count[0])
-        for parent, token, score in zip(res.out_parent[0, :num_out].tolist(), res.out_token[0, :num_out].tolist(),
-                                        res.out_score[0, :num_out].tolist()):
-            c = choice(node_id(passed, parent, width), token, score)
-            (finished if ends(c.parent, c.token) else beams).append(c)
-        widths.append(len(beams))
-        verified = min(passed + 1, num_layers)
-        accepted = [sum(row) for row in node_accepted][:verified]
-        return VerifyDecision(vs.group_id, passed, beams, finished, proposed[:verified], accepted, widths)
-
-    res = verify_forest_greedy(
-        raw.reshape(1, num_layers + 1, width, vocab), root_scores, root_valid, parents, tokens, exists,
-        torch.tensor([num_layers]), torch.tensor([vs.seq_len]), width, vs.eos_token_id, ignore_eos,
-        torch.tensor([vs.length_penalty], dtype=torch.float64), vs.stop_token_ids, node_finishes,
-    )
-    passed = int(res.num_passed[0])
-    finished = []
-    for i in range(passed + 1):  # step i+1's EOS / stop-token hypotheses: children of layer i
-        for p, cum, ok, t in zip(res.finished_parent[0, i].tolist(), res.finished_cum_logprob[0, i].tolist(),
-                                 res.finished_valid[0, i].tolist(), res.finished_token[0, i].tolist()):
-            if ok:
-                finished.append(choice(node_id(i, p, width), t, cum))
-    beams = [choice(node_id(passed, p, width), t, cum)
-             for p, t, cum, ok in zip(res.out_parent[0].tolist(), res.out_token[0].tolist(),
-                                      res.out_cum_logprob[0].tolist(), res.out_valid[0].tolist()) if ok]
-    verified = min(passed + 1, num_layers)
-    accepted = [proposed[i] if i < passed else 0 for i in range(verified)]
-    widths = proposed[:passed] + [len(beams)]  # a passed layer's nodes are the target's live top-W beams
-    return VerifyDecision(vs.group_id, passed, beams, finished, proposed[:verified], accepted, widths)
-
-
-def _node_finishes(completes):
-    """``completes`` as the ``verify.NodeFinishes`` of one group (None stays None)."""
-    if completes is None:
-        return None
-
-    def finishes(layer: int, groups: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:
-        flags = [[completes(layer, p, t) for p, t in zip(ps, ts)] for ps, ts in zip(parents.tolist(), tokens.tolist())]
-        return torch.tensor(flags, dtype=torch.bool).reshape(tokens.shape)
-
-    return finishes
-
-
-def node_completes(vs: VerifyStep, stops: StopCheckers | None):
-    """``(layer, slot, token) -> bool``: the token completes a stop string after node (layer, slot)'s text
-    (its root's tail, then the draft tokens down to it); None without stop strings."""
-    if not vs.stop:
-        return None
-    if stops is None:
-        raise RuntimeError(f"beam group {vs.group_id} has stop strings but the runner has no stop checkers")
-    checker = stops.get(vs.stop)
-
-    def completes(layer: int, slot: int, token: int) -> bool:
-        below = []
-        while layer > 0:
-            below.append(vs.draft_tokens[layer - 1][slot])
-            slot = vs.draft_parents[layer - 1][slot]
-            layer -= 1
-        if slot >= len(vs.tails):  # an empty root slot: no text, nothing to finish
-            return False
-        return checker.completes((*vs.tails[slot], *reversed(below)), token)
-
-    return completes
-
-
-def node_token_finishes(vs: VerifyStep, completes):
-    """``(parent node id, token) -> bool``: the token finishes the sequence after that forest node (EOS
-    unless ignore_eos, a stop token, or a stop string it completes; ``completes``: :func:`node_completes`)."""
-    def finishes(parent_node: int, token: int) -> bool:
-        return (token_finishes(token, vs.eos_token_id, vs.ignore_eos, vs.stop_token_ids)
-                or (completes is not None and completes(*layer_slot(parent_node, vs.beam_width), token)))
-
-    return finishes
-
-
-class _RawLogprobs:
-    """``log_softmax(node_logits)`` row by row, for the few nodes whose log-probs are reported (``T > 0``:
-    verification itself reads the tempered ones). ``same``: the whole table when ``T = 1`` made it already."""
-
-    def __init__(self, node_logits: Tensor, same: Tensor | None) -> None:
-        self._logits, self._same, self._rows = node_logits, same, {}
-
-    def __getitem__(self, node: int) -> Tensor:
-        if self._same is not None:
-            return self._same[node]
-        if node not in self._rows:
-            self._rows[node] = torch.log_softmax(self._logits[node], dim=-1)
-        return self._rows[node]
-
-
-def _path_logprobs(raw: Tensor | _RawLogprobs, parent_node: int, token: int, vs: VerifyStep, width: int,
-                   num_logprobs: int) -> tuple[TokenLogprob, ...]:
-    """Raw target log-probs of the tokens from the root to ``parent_node``, then of ``token``."""
-    chain = [(parent_node, token)]
-    node = parent_node
-    while node >= width:  # walk up to the root
-        layer, slot = layer_slot(node, width)
-        parent = node_id(layer - 1, vs.draft_parents[layer - 1][slot], width)
-        chain.append((parent, vs.draft_tokens[layer - 1][slot]))
-        node = parent
-    return tuple(token_logprob(raw[node], tok, num_logprobs) for node, tok in reversed(chain))
-
-
-def token_logprob(row: Tensor, token: int, num_logprobs: int) -> TokenLogprob:
-    """``token``'s entry of a raw log-prob row [V], with its rank when log-probs were asked for
-    (``num_logprobs`` >= 0; a pass over V, else 0) and, for ``num_logprobs`` > 0, the top-k."""
-    lp = float(row[token])
-    rank = int((row > row[token]).sum()) + 1 if num_logprobs >= 0 else 0
-    top = ((), ())
-    if num_logprobs > 0:
-        vals, ids = row.topk(num_logprobs)
-        top = (tuple(ids.tolist()), tuple(vals.tolist()))
-    return TokenLogprob(lp, rank, *top)

@@ -1,0 +1,160 @@
+"""The runner verifies every DSBD group of a step in one batched pass (``engine.verify_step.verify_groups``).
+
+Each group's decision must be exactly what it gets verified alone, whatever groups share the pass and in
+whatever order: groups of different modes, widths, temperatures and depths are recorded from solo runs of
+toy models (``test_spec_iterations.run_dsbd``), then replayed together, shuffled. And the decision path makes
+no tensor on the CPU by default: every tensor it creates takes its device from its inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import test_spec_iterations as solo  # tests/unit/test_spec_iterations.py
+from vllm_dsbd.algorithm.toy import perturbed_draft, random_markov
+from vllm_dsbd.engine import verify_step
+from vllm_dsbd.engine.verify_step import GroupInput, verify_groups
+
+MODES = {  # BeamParams overrides: T 0, fixed and dynamic width, memory-efficient, another temperature, top-k
+    "search": dict(temperature=0.0, length_penalty=0.5),
+    "fixed": dict(temperature=1.0),
+    "dynamic": dict(temperature=1.0, width_threshold=0.5),
+    "memory-efficient": dict(temperature=1.0, memory_efficient=True, n=1, width_threshold=0.5),
+    "tempered": dict(temperature=0.7, top_k=3),
+    "search-wide": dict(temperature=0.0, beam_width=4, n=4),
+}
+
+
+def _recorded_verifications(monkeypatch) -> list[tuple[list[torch.Tensor], object, object, object, object]]:
+    """(path_logits, VerifyStep, joints, support, solo decision) of every verification of a few solo runs; each
+    run's group id made unique. max_tokens 7 with γ 3 cuts the last forests: depths differ within a mode."""
+    calls = []
+
+    def recording(path_logits, vs, joints, stops=None, support=None):
+        decision = verify_step.verify(path_logits, vs, joints, stops, support)
+        calls.append((path_logits, vs, joints, support, decision))
+        return decision
+
+    monkeypatch.setattr(solo, "verify", recording)
+    target = random_markov(6, order=2, seed=21)
+    draft = perturbed_draft(target, 0.5, seed=22)
+    out = []
+    for name, overrides in MODES.items():
+        for seed, prompt in enumerate(([1], [2, 3])):
+            start = len(calls)
+            solo.run_dsbd(target, draft, prompt, solo.params(**{"max_tokens": 7, "seed": seed, **overrides}))
+            gid = f"{name}-{seed}"
+            for path_logits, vs, joints, support, decision in calls[start:]:
+                out.append((path_logits, dataclasses.replace(vs, group_id=gid), joints, support,
+                            dataclasses.replace(decision, group_id=gid)))
+    return out
+
+
+def _packed(batch) -> tuple[torch.Tensor, list[GroupInput]]:
+    """The step's logits (every group's paths, one after another) and each group's input."""
+    rows, inputs = [], []
+    for path_logits, vs, joints, support, _ in batch:
+        starts = []
+        for logits in path_logits:
+            starts.append(sum(t.shape[0] for t in rows))
+            rows.append(logits)
+        inputs.append(GroupInput(vs, starts, joints, support))
+    return torch.cat(rows), inputs
+
+
+def test_groups_verified_together_decide_as_each_alone(monkeypatch):
+    records = _recorded_verifications(monkeypatch)
+    depths = {len(vs.draft_parents) for _, vs, *_ in records}
+    assert len(records) > 30 and len(depths) > 1  # several iterations each, forests of several depths
+    rng = random.Random(0)
+    for trial in range(12):  # one verification per group a step (a group verifies one iteration at a time)
+        picked = {}
+        for r in rng.sample(records, len(records)):
+            picked.setdefault(r[1].group_id, r)
+        batch = list(picked.values())
+        got = verify_groups(*_packed(batch))
+        assert set(got) == {vs.group_id for _, vs, *_ in batch}
+        for _, vs, _, _, want in batch:
+            assert got[vs.group_id] == want, (trial, vs.group_id)
+
+
+class _NoImplicitDevice(TorchFunctionMode):
+    """Records every tensor factory called without a device (it would make the tensor on the CPU)."""
+
+    FACTORIES = {torch.tensor, torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.rand,
+                 torch.randn, torch.randint, torch.linspace, torch.eye, torch.as_tensor}
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FACTORIES and kwargs.get("device") is None and not (
+                func is torch.as_tensor and args and isinstance(args[0], torch.Tensor)):
+            import traceback
+
+            frame = traceback.extract_stack(limit=3)[0]
+            self.calls.append(f"{func.__name__} at {frame.filename.split('/')[-1]}:{frame.lineno}")
+        return func(*args, **kwargs)
+
+
+def test_the_batched_verification_makes_no_tensor_on_an_implicit_device(monkeypatch):
+    """Run on the CPU, a tensor made without ``device=`` lands where its inputs are only by luck; on a GPU the
+    same call would put it on the CPU. Every factory call of the verification path names its device."""
+    records = _recorded_verifications(monkeypatch)
+    by_group = {}
+    for r in records:
+        by_group.setdefault(r[1].group_id, r)
+    logits, inputs = _packed(list(by_group.values()))
+    with _NoImplicitDevice() as mode:
+        verify_groups(logits, inputs)
+    assert mode.calls == []
+
+
+def test_the_implicit_device_check_catches_a_tensor_made_on_the_cpu():
+    with _NoImplicitDevice() as mode:
+        torch.zeros(3, device="cpu")
+        torch.tensor([1, 2])
+    assert len(mode.calls) == 1 and mode.calls[0].startswith("tensor")
+
+
+@pytest.mark.parametrize("mode", ["fixed", "search"])
+def test_a_verification_sharing_one_generator_across_groups_is_caught(monkeypatch, mode):
+    """The planted bug the batched test must reject: the groups of a pass drawing from one generator (at T 0
+    nothing is drawn, so only T > 0 can differ: the search mode stays equal)."""
+    records = [r for r in _recorded_verifications(monkeypatch) if r[1].group_id.startswith(mode + "-")]
+    first = {}
+    for r in records:
+        first.setdefault(r[1].group_id, r)
+    batch = list(first.values())
+    real = verify_step.generator
+    shared = real(1, 0, 1000)
+    monkeypatch.setattr(verify_step, "generator", lambda *a, **k: shared)
+    got = verify_groups(*_packed(batch))
+    same = all(got[vs.group_id] == want for _, vs, _, _, want in batch)
+    assert same == (mode == "search")
+
+
+def test_beam_steps_and_draft_layers_make_no_tensor_on_an_implicit_device():
+    """The rest of the step's decisions: beam steps (search and sampling) and a draft layer's draw."""
+    from test_beam_step import step  # tests/unit/test_beam_step.py
+
+    from vllm_dsbd.engine import beam_step, spec_step
+    from vllm_dsbd.engine.protocol import DraftStep
+
+    logits = torch.randn(4, 9, generator=torch.Generator().manual_seed(0))
+    groups = [step(group_id="s", req_ids=("a", "b"), scores=(-1.0, -2.0), num_logprobs=2, eos_token_id=2),
+              step(group_id="t", req_ids=("c", "d"), scores=(-1.0, -1.5), temperature=0.8, top_k=3)]
+    fields = {f.name for f in dataclasses.fields(DraftStep)}
+    draft = DraftStep(**{k: v for k, v in dataclasses.asdict(groups[1]).items() if k in fields},
+                      layer=1, slots=(0, 1))
+    with _NoImplicitDevice() as mode:
+        beam_step.decide(logits, {"a": 0, "b": 1, "c": 2, "d": 3}, groups)
+        spec_step.draft_layer(logits, {"c": 2, "d": 3}, draft)
+    assert mode.calls == []
