@@ -2,7 +2,7 @@
 
 Each group's decision must be exactly what it gets verified alone, whatever groups share the pass and in
 whatever order: groups of different modes, widths, temperatures and depths are recorded from solo runs of
-toy models (``test_spec_iterations.run_dsbd``), then replayed together, shuffled. And the decision path makes
+toy models (``benchmarks.toy_engine.run_dsbd``), then replayed together, shuffled. And the decision path makes
 no tensor on the CPU by default: every tensor it creates takes its device from its inputs.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-import test_spec_iterations as solo  # tests/unit/test_spec_iterations.py
+from benchmarks import toy_engine as solo
 from vllm_dsbd.algorithm.toy import perturbed_draft, random_markov
 from vllm_dsbd.engine import verify_step
 from vllm_dsbd.engine.verify_step import GroupInput, verify_groups

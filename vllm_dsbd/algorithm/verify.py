@@ -70,6 +70,7 @@ from vllm_dsbd.algorithm.joint import (
     finishing_tokens,
     joint_probs,
     sample_from_uniforms,
+    tempered_logprobs,
     uniforms,
 )
 
@@ -397,6 +398,7 @@ def verify_forest(
     stop_token_ids: Sequence[int] = (),
     finishes_fn: NodeFinishes | None = None,
     draft_support: Tensor | None = None,
+    temperature: float | None = None,
 ) -> ForestVerification:
     """Verify one DSBD iteration of many groups (sampling mode, ``T > 0``).
 
@@ -411,6 +413,9 @@ def verify_forest(
     draft_exists: [G, γ, W] bool. num_layers: [G] draft layers to verify (<= γ).
     width_threshold: [G] τ (>= 1: fixed width). min_width: [G] or int (>= 1).
     num_out: W_out. generator: one, or one per group. top_k, top_p, ignore_eos: [G] or None.
+    temperature: given, ``target_logprobs`` holds the target's logits and a layer's rows are tempered
+    (``tempered_logprobs``) only when the layer is reached: a forest that fails early never normalises the
+    rows of its deeper nodes.
     """
     num_groups, depth, width, vocab = target_logprobs.shape
     device = target_logprobs.device
@@ -431,6 +436,8 @@ def verify_forest(
         if rows.numel() == 0:
             break
         lp = _rows(target_logprobs[:, i - 1], rows)  # [g, W, V] at the parents
+        if temperature is not None:
+            lp = tempered_logprobs(lp, temperature)
         scores = parent_scores[rows]
         target = joint_probs(scores, parent_valid[rows], lp, _select(top_k, rows), _select(top_p, rows))
 

@@ -85,7 +85,7 @@ def verify_forest_greedy(
     give step ``i+1``; otherwise the iteration ends with step ``i``'s beams.
     Every step's EOS hypotheses are reported, whether or not it passed.
     """
-    num_groups, depth, width_max, vocab = target_logprobs.shape
+    num_groups, depth, width_max, _ = target_logprobs.shape
     gamma = depth - 1
     device = target_logprobs.device
     beam_nodes = torch.full((num_groups, gamma, width_max), -1, dtype=torch.long, device=device)
@@ -99,8 +99,10 @@ def verify_forest_greedy(
     out_cum = torch.full((num_groups, width_max), float("-inf"), dtype=torch.float64, device=device)
     out_valid = torch.zeros((num_groups, width_max), dtype=torch.bool, device=device)
     fin_parent, fin_cum, fin_valid, fin_token = [], [], [], []
+    groups = torch.arange(num_groups, device=device)[:, None]
     for i in range(1, gamma + 2):
-        lp = target_logprobs[:, i - 1].gather(1, order[:, :, None].expand(-1, -1, vocab))
+        # the k-th beam's rows (row indexing copies whole rows; step 1's beams are the roots, in order)
+        lp = target_logprobs[:, 0] if i == 1 else target_logprobs[:, i - 1][groups, order]
         step = beam_search_step(lp, scores, valid & active[:, None], seq_lens + i - 1, beam_width,
                                 eos_token_id, ignore_eos, length_penalty, stop_token_ids,
                                 _candidates_of(finishes_fn, i - 1, order))
@@ -133,6 +135,10 @@ def verify_forest_greedy(
             scores = torch.where(passed[:, None], step.cum_logprobs, scores)
             valid = torch.where(passed[:, None], step.valid, valid)
         active = passed
+        if i <= gamma and not bool(active.any()):  # every group ended: the later steps would find nothing
+            for rest in (fin_parent, fin_cum, fin_valid, fin_token):
+                rest += [torch.zeros_like(rest[-1])] * (gamma + 1 - i)
+            break
     return GreedyForestVerification(
         num_passed, out_parent, out_token, out_cum, out_valid, beam_nodes,
         torch.stack(fin_parent, 1), torch.stack(fin_cum, 1), torch.stack(fin_valid, 1), torch.stack(fin_token, 1),

@@ -90,8 +90,10 @@ def _verify_bucket(logits: Tensor, members: list[GroupInput], stops: StopChecker
     root_valid = torch.tensor([g.vs.root_valid for g in members], device=device)
     ignore_eos = torch.tensor([g.vs.ignore_eos for g in members], device=device)
     if first.temperature > 0:
-        table = tempered_logprobs(nodes, first.temperature)
-        raw = _RawRows(table if first.temperature == 1 else nodes, lazy=first.temperature != 1)
+        # At T 1 the tempered table is the raw one the chosen tokens' log-probs are read from: made once. Else
+        # verification tempers each layer's rows as it reaches them, and only the chosen ones are normalised.
+        table = tempered_logprobs(nodes, 1.0) if first.temperature == 1 else nodes
+        raw = _RawRows(table, lazy=first.temperature != 1)
         joints = _padded_joints(members, depth, device)
         res = verify_forest(
             table, root_scores, root_valid, joints, parents, tokens, exists, layers,
@@ -100,7 +102,8 @@ def _verify_bucket(logits: Tensor, members: list[GroupInput], stops: StopChecker
             [generator(g.vs.seed, g.vs.step, VERIFY_SALT, device) for g in members],
             torch.tensor([g.vs.top_k for g in members], device=device),
             torch.tensor([g.vs.top_p for g in members], device=device),
-            first.eos_token_id, ignore_eos, first.stop_token_ids, finishes, members[0].draft_support)
+            first.eos_token_id, ignore_eos, first.stop_token_ids, finishes, members[0].draft_support,
+            None if first.temperature == 1 else first.temperature)
         picks = _sampled_picks(res, members, ends_of)
     else:
         table = torch.log_softmax(nodes, dim=-1)
@@ -118,22 +121,24 @@ def _verify_bucket(logits: Tensor, members: list[GroupInput], stops: StopChecker
 
 def _node_logits(logits: Tensor, members: list[GroupInput], depth: int) -> Tensor:
     """[G, depth+1, W, V] float32: each group's node logits, read from the first path through the node (an
-    alias leaf from its twin's), by one indexed copy; nodes on no path stay 0."""
-    width, vocab = members[0].vs.beam_width, logits.shape[-1]
+    alias leaf from its twin's), in one indexed copy. A node on no path (an empty root slot, a draft that does
+    not exist, a layer past the group's depth) gets its group's first row: verification never reads it."""
+    width = members[0].vs.beam_width
     per_group = (depth + 1) * width
-    dest, src = [], []
-    for k, g in enumerate(members):
-        row_of: dict[int, int] = {}
+    src = []
+    for g in members:
+        rows = [g.path_starts[0]] * per_group
+        seen = set()
         for start, path in zip(g.path_starts, g.vs.paths):
             for offset, node in enumerate(path):
-                row_of.setdefault(node, start + offset)
+                if node not in seen:
+                    seen.add(node)
+                    rows[node] = start + offset
         for leaf, twin in g.vs.aliases:
-            row_of[leaf] = row_of[twin]
-        dest += [k * per_group + node for node in row_of]
-        src += list(row_of.values())
-    out = torch.zeros((len(members) * per_group, vocab), dtype=torch.float32, device=logits.device)
-    out[torch.tensor(dest, device=logits.device)] = logits[torch.tensor(src, device=logits.device)].float()
-    return out.view(len(members), depth + 1, width, vocab)
+            rows[leaf] = rows[twin]
+        src += rows
+    out = logits.index_select(0, torch.tensor(src, device=logits.device))
+    return (out if out.dtype == torch.float32 else out.float()).view(len(members), depth + 1, width, -1)
 
 
 def _drafts(members: list[GroupInput], depth: int, width: int, device) -> tuple[Tensor, Tensor, Tensor]:
@@ -268,11 +273,16 @@ def _reported_logprobs(raw: _RawRows, members: list[GroupInput],
         return out
     index = {pair: i for i, pair in enumerate(pairs)}
     device = raw.table.device
-    rows = raw.rows(torch.tensor([k * raw.nodes_per_group + node for k, node, _ in pairs], device=device))
-    values = rows.gather(1, torch.tensor([tok for _, _, tok in pairs], device=device)[:, None])  # [n, 1]
-    lp = values[:, 0].tolist()
+    flat = torch.tensor([k * raw.nodes_per_group + node for k, node, _ in pairs], device=device)
+    toks = torch.tensor([tok for _, _, tok in pairs], device=device)
     asked = {g.vs.num_logprobs for g in members}
-    ranks = ((rows > values).sum(-1) + 1).tolist() if max(asked) >= 0 else None
+    if max(asked) < 0 and not raw.lazy:  # the log-probs alone: no row is copied
+        lp, ranks = raw.table.reshape(-1)[flat * raw.table.shape[-1] + toks].tolist(), None
+    else:
+        rows = raw.rows(flat)
+        values = rows.gather(1, toks[:, None])  # [n, 1]
+        lp = values[:, 0].tolist()
+        ranks = ((rows > values).sum(-1) + 1).tolist() if max(asked) >= 0 else None
     tops = {n: rows.topk(n) for n in asked if n > 0}
     tops = {n: (t.indices.tolist(), t.values.tolist()) for n, t in tops.items()}
     for k, parent, token, chain in chains:

@@ -1,0 +1,149 @@
+"""What deciding a step's verifications together saves: the runner's verification pass at G groups a step.
+
+The verifications are recorded from the toy engine (``benchmarks.toy_engine``: DSBD's own group and runner
+code) on lazily drawn models at a real vocabulary's size (49,152, SmolLM2's; the draft a noisy copy of the
+target, so layers pass and fail), W 4, 16 requests per mode. Then, for G = 1, 4, 16 requests a step, the same
+G verifications are decided one group at a time (G calls of ``verify_step.verify_groups``, as the runner did
+before) and in one call, interleaved, and checked to decide alike, with glibc keeping freed memory as the
+CPU worker does (``engine.cpu_memory``). Reported: milliseconds per step and per
+group (median of ``--repeats``), and each mode's per-group time at G against its time at G = 1. Pure torch,
+no engine: the decision part of a verify step, not its forward.
+
+    python -m benchmarks.bench_decisions --out benchmarks/results/decisions
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import toy_engine
+from benchmarks.machine import machine_facts
+from benchmarks.scripts import write_result
+from vllm_dsbd.engine import cpu_memory, verify_step
+from vllm_dsbd.engine.verify_step import GroupInput, verify_groups
+
+MODES = {"T 0 (search)": dict(temperature=0.0), "fixed width": dict(temperature=1.0),
+         "dynamic width": dict(temperature=1.0, width_threshold=0.5)}
+BATCHES = (1, 4, 16)
+
+
+def record(mode: dict, gamma: int, requests: int, vocab: int) -> list[list[tuple]]:
+    """Per request, its verifications: (path_logits, VerifyStep, joints, support)."""
+    target = toy_engine.HashedLM(vocab, seed=1)
+    draft = toy_engine.HashedLM(vocab, seed=1, noise=0.8)
+    calls: list[tuple] = []
+
+    def recording(path_logits, vs, joints, stops=None, support=None):
+        calls.append((path_logits, vs, joints, support))
+        return verify_step.verify(path_logits, vs, joints, stops, support)
+
+    real, toy_engine.verify = toy_engine.verify, recording
+    out = []
+    try:
+        for r in range(requests):
+            start = len(calls)
+            params = toy_engine.params(beam_width=4, n=4, max_tokens=12, num_speculative_tokens=gamma, seed=r,
+                                       ignore_eos=True, eos_token_id=None, **mode)
+            toy_engine.run_dsbd(target, draft, [r + 1, 2 * r + 3], params)
+            out.append([(p, dataclasses.replace(vs, group_id=f"r{r}"), j, s) for p, vs, j, s in calls[start:]])
+    finally:
+        toy_engine.verify = real
+    return out
+
+
+def packed(batch: list[tuple]) -> tuple[torch.Tensor, list[GroupInput]]:
+    rows, inputs = [], []
+    for path_logits, vs, joints, support in batch:
+        starts = []
+        for logits in path_logits:
+            starts.append(sum(t.shape[0] for t in rows))
+            rows.append(logits)
+        inputs.append(GroupInput(vs, starts, joints, support))
+    return torch.cat(rows), inputs
+
+
+def time_batch(batch: list[tuple], repeats: int) -> dict:
+    """Seconds of the G groups decided one at a time and together (interleaved, medians)."""
+    logits, inputs = packed(batch)
+    one_by_one, together = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        alone = {}
+        for g in inputs:
+            alone.update(verify_groups(logits, [g]))
+        one_by_one.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        joint = verify_groups(logits, inputs)
+        together.append(time.perf_counter() - start)
+        if joint != alone:
+            raise AssertionError("the batched verification decided otherwise than one group at a time")
+    return {"one_by_one_s": statistics.median(one_by_one), "together_s": statistics.median(together)}
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    cpu_memory.keep_freed_memory()  # as the CPU worker does: decision buffers reuse the heap
+    rows = []
+    for name, mode in MODES.items():
+        for gamma in args.gammas:
+            requests = record(mode, gamma, max(BATCHES), args.vocab)
+            steps = min(len(r) for r in requests)
+            for g in BATCHES:
+                seconds = [time_batch([requests[r][s] for r in range(g)], args.repeats) for s in range(steps)]
+                row = {"mode": name, "gamma": gamma, "groups": g, "steps": steps,
+                       "one_by_one_ms": 1000 * statistics.mean(x["one_by_one_s"] for x in seconds),
+                       "together_ms": 1000 * statistics.mean(x["together_s"] for x in seconds)}
+                row["together_ms_per_group"] = row["together_ms"] / g
+                row["one_by_one_ms_per_group"] = row["one_by_one_ms"] / g
+                rows.append(row)
+                print(f"{name:14s} γ {gamma} G {g:2d}: one by one {row['one_by_one_ms']:7.2f} ms, together "
+                      f"{row['together_ms']:7.2f} ms ({row['together_ms_per_group']:.2f} ms a group)", flush=True)
+    for row in rows:
+        base = next(r for r in rows if r["mode"] == row["mode"] and r["gamma"] == row["gamma"] and r["groups"] == 1)
+        row["per_group_vs_batch_1"] = row["together_ms_per_group"] / base["together_ms_per_group"]
+    return {"machine": machine_facts(), "threads": args.threads, "vocab": args.vocab, "beam_width": 4,
+            "repeats": args.repeats, "device": "cpu", "rows": rows}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for (mode, gamma), marker in zip(sorted({(r["mode"], r["gamma"]) for r in result["rows"]}), "osd^v<>"):
+        rows = [r for r in result["rows"] if r["mode"] == mode and r["gamma"] == gamma]
+        ax.plot([r["groups"] for r in rows], [r["together_ms_per_group"] for r in rows], marker=marker,
+                label=f"{mode}, γ {gamma}: together")
+        ax.plot([r["groups"] for r in rows], [r["one_by_one_ms_per_group"] for r in rows], marker=marker,
+                linestyle=":", color=ax.lines[-1].get_color())
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("groups verified in the step")
+    ax.set_ylabel("ms per group (dotted: one at a time)")
+    ax.set_title(f"Verification decisions, W 4, V {result['vocab']}, {result['threads']} thread(s), CPU", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2], help="draft layers per iteration")
+    parser.add_argument("--vocab", type=int, default=49152, help="vocabulary size of the toy models")
+    parser.add_argument("--repeats", type=int, default=5, help="timings per step (the median is kept)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the CPU worker runs on one)")
+    parser.add_argument("--out", default="benchmarks/results/decisions", help="folder for the JSON and PNG")
+    args = parser.parse_args()
+    write_result(run(args), Path(args.out), "decisions", plot)
+
+
+if __name__ == "__main__":
+    main()
