@@ -30,6 +30,13 @@ from vllm_dsbd.engine.stops import StopCheckers
 from vllm_dsbd.engine.streams import VERIFY_SALT, generator
 
 
+CHUNK_BYTES = 16 << 20
+"""A bucket is decided in chunks whose residual ladder ([W + 1, G, W x V] float32, the largest buffer) stays
+under this: on CPU, larger buffers come from fresh ``mmap`` pages (glibc's threshold is 32 MiB even with
+``engine.cpu_memory``), and 16 groups of W 4 at V 49,152 decided at once took 1.6x as long as one at a time;
+in chunks of 4, 0.78x (``benchmarks/bench_decisions.py``, fixed width, γ 2)."""
+
+
 @dataclass
 class GroupInput:
     """One group's verification inputs. path_starts: the first row, in the step's logits, of each path of
@@ -61,8 +68,12 @@ def verify_groups(logits: Tensor, groups: Sequence[GroupInput],
     for g in groups:
         buckets.setdefault(_bucket_key(g), []).append(g)
     decisions: dict[str, VerifyDecision] = {}
+    vocab = logits.shape[-1]
     for members in buckets.values():
-        decisions.update(_verify_bucket(logits, members, stops))
+        width = members[0].vs.beam_width
+        size = max(1, CHUNK_BYTES // ((width + 1) * width * vocab * 4))
+        for k in range(0, len(members), size):
+            decisions.update(_verify_bucket(logits, members[k: k + size], stops))
     return decisions
 
 
