@@ -75,7 +75,7 @@ def multiset_draws(dist: dict[Hashable, float], num: int) -> Iterable[tuple[tupl
 def exact_beam_sampling(model, prompt: Seq, width: int, max_tokens: int, temperature: float = 1.0,
                         top_k: int = 0, top_p: float = 1.0, eos: int | None = None,
                         ignore_eos: bool = False, uniform_parents: bool = False) -> dict[tuple[Seq, ...], float]:
-    """Exact distribution of the complete output of beam sampling (ALGORITHM.md).
+    """Exact distribution of the complete output of beam sampling (docs/algorithm.md).
 
     ``uniform_parents`` gives a *wrong* procedure (every live beam weighted
     equally instead of by exp(score)), for checking that a test has power.

@@ -20,7 +20,7 @@
   ``engine.mjsd_step`` (``decoder: "mjsd"``).
 - :mod:`.toy` — small random Markov models to test with.
 
-ALGORITHM.md (shared/design) is the contract; each module's docstring lists
+docs/algorithm.md is the contract; each module's docstring lists
 the decisions it makes where the contract leaves room.
 """
 

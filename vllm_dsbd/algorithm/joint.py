@@ -4,7 +4,7 @@ Shapes use ``G`` (beam groups in the batch), ``B`` (beam slots of a group, some
 of them unused: ``beam_valid``), ``V`` (vocabulary) and ``N = B * V`` (pairs
 ``(beam, token)`` flattened beam-major: ``index = beam * V + token``).
 
-Sampling (``T > 0``), per ALGORITHM.md::
+Sampling (``T > 0``), per docs/algorithm.md::
 
     p_T(v | x_b) = softmax(logits_b / T)(v)
     P(b, v)      = exp(S_b) * p_T(v | x_b) / sum_b' exp(S_b')

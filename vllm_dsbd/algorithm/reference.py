@@ -5,7 +5,7 @@ A *logits function* maps token sequences to next-token logits:
 here is slow, plain Python around the batched maths of ``joint``/``verify``;
 it defines what the engine must reproduce.
 
-- :func:`beam_sampling` — ALGORITHM.md's beam sampling (``T > 0``): each step
+- :func:`beam_sampling` — docs/algorithm.md's beam sampling (``T > 0``): each step
   draws ``W`` beams with replacement from the (top-k/top-p restricted) joint.
 - :func:`beam_search` — vLLM 0.32.0's built-in ``LLM.beam_search`` (``T = 0``),
   a line-by-line port of ``entrypoints/generate/beam_search/offline.py``.
@@ -21,7 +21,7 @@ is left. There is no early stop (vLLM's built-in beam
 search has none). The result is every finished hypothesis followed by the
 live beams at the end, sorted by vLLM's ``get_beam_search_score``
 (``cum_logprob / max(len, 1) ** length_penalty`` with ``len`` counting prompt
-and generated tokens, minus one if the last is EOS or a stop token; ALGORITHM.md says
+and generated tokens, minus one if the last is EOS or a stop token; docs/algorithm.md says
 "generated tokens", we follow vLLM so deterministic outputs match it), stable
 (ties keep that order), truncated to ``n`` (vLLM returns ``beam_width``).
 ``cum_logprob`` is the sum of the tempered log-probs ``log p_T`` for ``T > 0``
@@ -60,7 +60,7 @@ LogitsFn = Callable[[list[list[int]]], Tensor]
 
 @dataclass(frozen=True)
 class DecodeParams:
-    """Knobs, named as in ALGORITHM.md. ``temperature == 0``: deterministic beam search."""
+    """Knobs, named as in docs/algorithm.md. ``temperature == 0``: deterministic beam search."""
 
     beam_width: int = 4
     num_speculative_tokens: int = 4

@@ -1,6 +1,6 @@
 """Verification of a draft forest against the target: layers, residuals, width.
 
-Notation (ALGORITHM.md, "One DSBD iteration"): at layer ``i`` of a group,
+Notation (docs/algorithm.md, "One DSBD iteration"): at layer ``i`` of a group,
 ``P`` is the target joint over the *valid* parents of the layer (the input
 beams at layer 1, the accepted non-EOS drafts of layer ``i-1`` after that)
 times the vocabulary, ``Q`` the draft joint the layer's ``W`` drafts were
@@ -25,7 +25,7 @@ more than ``W_out`` drafts were accepted, the first ``W_out``). If every
 layer passes, ``W_out`` beams are drawn from the target joint over the
 children of the last layer (the *bonus* layer).
 
-Decisions where ALGORITHM.md leaves room:
+Decisions where docs/algorithm.md leaves room:
 
 - ``R`` is updated after *every* rejection, including a draft whose parent is
   invalid (its rejection mass is part of ``1 - sum min(R, Q')``; skipping the

@@ -7,7 +7,7 @@ without an engine. For each group (a :class:`~vllm_dsbd.engine.protocol.GroupSte
   (:func:`vllm_dsbd.algorithm.beam_search_step`) on the raw log-probs; EOS
   candidates among each beam's top ``2W`` become finished hypotheses (so do
   stop-token candidates, ``GroupDecoding.stop_token_ids``).
-- ``temperature > 0``: beam sampling (ALGORITHM.md): ``W`` draws with
+- ``temperature > 0``: beam sampling (docs/algorithm.md): ``W`` draws with
   replacement from the joint ``P(b, v) ∝ exp(S_b) softmax(logits_b / T)(v)``
   with top-k/top-p on the joint; draws of EOS (unless ``ignore_eos``) or of a
   stop token finish, and so do draws that complete a stop string

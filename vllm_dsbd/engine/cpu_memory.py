@@ -6,7 +6,7 @@ next step. glibc serves blocks above its mmap threshold with fresh ``mmap`` page
 heap when a large block there is freed, so each step's buffers page-fault anew: in the default pair's verify
 step (γ 2, W 4, V 49,152, in-process engine, AMD EPYC) a ``torch.sub`` over one ladder level took 0.36 ms
 against 0.02 ms with the memory kept, and the runner's decisions 15 ms a step against 7.9 ms
-(docs/eagle3-log.md, "Page faults in the runner's decisions"; about a third less in the two-process engine).
+(docs/dev/history.md; about a third less in the two-process engine).
 
 :func:`keep_freed_memory` raises glibc's mmap threshold to its maximum (32 MiB) and its trim threshold to the
 largest value ``mallopt`` takes, in the calling process (the worker: ``DSBDCPUModelRunner``), so freed blocks

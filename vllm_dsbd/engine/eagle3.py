@@ -8,7 +8,7 @@ features in a :class:`FeatureCache` indexed by KV-cache slot, so every fork of a
 beam (shared blocks, a copied tail block) carries its features as it carries its
 KV: target steps write ``fc(aux)`` at every token they compute, draft steps read
 the slot of p - 1 (zeros at position 0) and write the head's output at each
-request's last token. docs/eagle3-design.md has the layout and why.
+request's last token. docs/dev/eagle3-design.md has the layout and why.
 """
 
 from __future__ import annotations

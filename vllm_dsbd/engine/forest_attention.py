@@ -1,5 +1,5 @@
 """An EAGLE-3 head's forward over forest rows, outside vLLM's paged KV (groundwork for drafting inside the
-verify step: step 9 of docs/eagle3-design.md).
+verify step: step 9 of docs/dev/eagle3-design.md).
 
 A *forest row* is one token of a draft forest being built inside a worker step: a new beam's last token
 (its bonus), or a draft node. It attends, in its one head layer, to

@@ -1,7 +1,7 @@
 """The runner's side of DSBD: draft layers and forest verification from logits.
 
 Pure torch plus ``vllm_dsbd.algorithm`` (no vLLM), unit-tested with toy
-models. One DSBD iteration of a group (ALGORITHM.md) runs as:
+models. One DSBD iteration of a group (docs/algorithm.md) runs as:
 
 - draft layer ``i`` (:func:`draft_layer`): the draft model's logits at
   every parent node of layer ``i-1`` give the draft joint ``Q_i`` over
