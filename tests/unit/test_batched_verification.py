@@ -99,7 +99,7 @@ class _NoImplicitDevice(TorchFunctionMode):
                 func is torch.as_tensor and args and isinstance(args[0], torch.Tensor)):
             import traceback
 
-            frame = traceback.extract_stack(limit=3)[0]
+            frame = traceback.extract_stack(limit=2)[0]  # the factory's caller
             self.calls.append(f"{func.__name__} at {frame.filename.split('/')[-1]}:{frame.lineno}")
         return func(*args, **kwargs)
 
@@ -157,4 +157,17 @@ def test_beam_steps_and_draft_layers_make_no_tensor_on_an_implicit_device():
     with _NoImplicitDevice() as mode:
         beam_step.decide(logits, {"a": 0, "b": 1, "c": 2, "d": 3}, groups)
         spec_step.draft_layer(logits, {"c": 2, "d": 3}, draft)
+    assert mode.calls == []
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_mjsd_verification_makes_no_tensor_on_an_implicit_device(temperature):
+    """MJSD groups are verified one at a time (``mjsd_step.verify``), on the logits' device too."""
+    from test_mjsd import _verify_step  # tests/unit/test_mjsd.py
+
+    from vllm_dsbd.engine import mjsd_step
+
+    target, draft, vs = _verify_step(0.0, temperature=temperature)
+    with _NoImplicitDevice() as mode:
+        mjsd_step.verify([target], vs, draft)
     assert mode.calls == []

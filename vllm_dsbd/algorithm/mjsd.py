@@ -77,11 +77,12 @@ def token_logprobs(logits: Tensor, temperature: float, top_k: int = 0, top_p: fl
     if temperature == 0:
         if not one_hot_at_zero:
             return torch.log_softmax(logits.float(), dim=-1)
-        out = torch.full(logits.shape, float("-inf"))
+        out = torch.full(logits.shape, float("-inf"), device=logits.device)
         return out.scatter(-1, logits.float().argmax(-1, keepdim=True), 0.0)
     rows = logits.shape[0]
     return restrict_joint(tempered_logprobs(logits, temperature),
-                          torch.full((rows,), top_k), torch.full((rows,), top_p))
+                          torch.full((rows,), top_k, device=logits.device),
+                          torch.full((rows,), top_p, device=logits.device))
 
 
 def node_conditionals(joint: Tensor, width: int) -> Tensor:

@@ -34,10 +34,11 @@ from vllm_dsbd.engine.stops import StopCheckers
 def greedy_node_logprobs(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep) -> Tensor:
     """[W*V] float32: the draft's raw ``log q(. | node)`` of every parent node of a ``T = 0`` draft layer (its
     beam search), by slot (0 at slots without a parent)."""
-    rows = torch.tensor([row_of[r] for r in ds.req_ids], device=logits.device)
+    device = logits.device
+    rows = torch.tensor([row_of[r] for r in ds.req_ids], device=device)
     parent_logits = logits.index_select(0, rows).float()
-    out = torch.zeros((ds.beam_width, parent_logits.shape[-1]))
-    out[torch.tensor(ds.slots)] = torch.log_softmax(parent_logits.cpu(), dim=-1)
+    out = torch.zeros((ds.beam_width, parent_logits.shape[-1]), device=device)
+    out[torch.tensor(ds.slots, device=device)] = torch.log_softmax(parent_logits, dim=-1)
     return out.reshape(-1)
 
 
@@ -65,23 +66,24 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, drafts: Tensor,
     """
     (path,) = vs.paths
     width = vs.beam_width
-    logits = path_logits[0].float().cpu()
-    vocab = logits.shape[-1]
+    logits = path_logits[0].float()
+    vocab, device = logits.shape[-1], logits.device
     slots = [layer_slot(n, width) for n in path[1:]]  # (layer, slot) of each path node; layer l is draft row l - 1
     tokens = [vs.draft_tokens[layer - 1][slot] for layer, slot in slots]
 
     def draft_logprob(layer: int, parent: int, token: int) -> float:  # log q(token | parent) of that layer
         if vs.temperature > 0:
-            return float(node_conditionals_at(drafts[layer - 1], width, torch.tensor([parent]),
-                                              torch.tensor([token]))[0])
+            return float(node_conditionals_at(drafts[layer - 1], width, torch.tensor([parent], device=device),
+                                              torch.tensor([token], device=device))[0])
         return float(drafts[layer - 1].view(width, vocab)[parent, token])
 
     q = torch.tensor([draft_logprob(layer, vs.draft_parents[layer - 1][slot], t)
-                      for (layer, slot), t in zip(slots, tokens)], dtype=torch.float64)
+                      for (layer, slot), t in zip(slots, tokens)], dtype=torch.float64, device=device)
     target = token_logprobs(logits, vs.temperature, vs.top_k, vs.top_p)  # [len(path), V]
-    p = target[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].double()
-    threshold = torch.tensor([log_tau(vs.mjsd_tau)], dtype=torch.float64)
-    accepted = int(accepted_length(p[None], q[None], torch.tensor([len(tokens)]), threshold)[0])
+    p = target[torch.arange(len(tokens), device=device), torch.tensor(tokens, dtype=torch.long, device=device)]
+    threshold = torch.tensor([log_tau(vs.mjsd_tau)], dtype=torch.float64, device=device)
+    accepted = int(accepted_length(p.double()[None], q[None], torch.tensor([len(tokens)], device=device),
+                                   threshold)[0])
 
     raw = torch.log_softmax(logits, dim=-1)
     finishes = node_token_finishes(vs, node_completes(vs, stops))
@@ -104,7 +106,7 @@ def verify(path_logits: Sequence[Tensor], vs: VerifyStep, drafts: Tensor,
             bonus = int(target[passed].argmax())
         else:
             probs = probs_from_logprobs_(target[passed].clone())  # a copy: the choice reads target's row
-            bonus = int(sample_joint(probs[None], 1, generator(vs.seed, vs.step, VERIFY_SALT))[0, 0])
+            bonus = int(sample_joint(probs[None], 1, generator(vs.seed, vs.step, VERIFY_SALT, device))[0, 0])
         last = choice(passed, bonus)
     finished = [last] if ends(passed, last.token) else []
     beams = [] if finished else [last]
