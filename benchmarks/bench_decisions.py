@@ -26,7 +26,7 @@ from benchmarks import toy_engine
 from benchmarks.machine import machine_facts
 from benchmarks.scripts import write_result
 from vllm_dsbd.engine import cpu_memory, verify_step
-from vllm_dsbd.engine.verify_step import GroupInput, verify_groups
+from vllm_dsbd.engine.verify_step import verify_groups
 
 MODES = {"T 0 (search)": dict(temperature=0.0), "fixed width": dict(temperature=1.0),
          "dynamic width": dict(temperature=1.0, width_threshold=0.5)}
@@ -57,20 +57,9 @@ def record(mode: dict, gamma: int, requests: int, vocab: int) -> list[list[tuple
     return out
 
 
-def packed(batch: list[tuple]) -> tuple[torch.Tensor, list[GroupInput]]:
-    rows, inputs = [], []
-    for path_logits, vs, joints, support in batch:
-        starts = []
-        for logits in path_logits:
-            starts.append(sum(t.shape[0] for t in rows))
-            rows.append(logits)
-        inputs.append(GroupInput(vs, starts, joints, support))
-    return torch.cat(rows), inputs
-
-
 def time_batch(batch: list[tuple], repeats: int) -> dict:
     """Seconds of the G groups decided one at a time and together (interleaved, medians)."""
-    logits, inputs = packed(batch)
+    logits, inputs = toy_engine.packed_verifications(batch)
     one_by_one, together = [], []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -15,7 +15,7 @@ from torch import Tensor
 from vllm_dsbd.engine.beam_group import BeamGroup, BeamParams
 from vllm_dsbd.engine.group_effects import Extend, Fork, Free, PathRequest
 from vllm_dsbd.engine.spec_step import DraftStore, draft_layer
-from vllm_dsbd.engine.verify_step import verify
+from vllm_dsbd.engine.verify_step import GroupInput, verify
 
 
 class Req:
@@ -81,6 +81,19 @@ def run_dsbd(target, draft, prompt, p: BeamParams, trace=None, stops=None, suppo
         if trace is not None:
             trace.append((decision.num_passed, len(live), decision.num_proposed, decision.num_accepted))
     return group.results()
+
+
+def packed_verifications(batch) -> tuple[Tensor, list[GroupInput]]:
+    """Recorded verifications ``(path_logits, VerifyStep, joints, support, ...)`` as one step's logits (every
+    group's paths, one after another) and each group's ``verify_step.GroupInput``."""
+    rows, inputs = [], []
+    for path_logits, vs, joints, support, *_ in batch:
+        starts = []
+        for logits in path_logits:
+            starts.append(sum(t.shape[0] for t in rows))
+            rows.append(logits)
+        inputs.append(GroupInput(vs, starts, joints, support))
+    return torch.cat(rows), inputs
 
 
 class HashedLM:

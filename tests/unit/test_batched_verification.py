@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from benchmarks import toy_engine as solo
 from vllm_dsbd.algorithm.toy import perturbed_draft, random_markov
 from vllm_dsbd.engine import verify_step
-from vllm_dsbd.engine.verify_step import GroupInput, verify_groups
+from vllm_dsbd.engine.verify_step import verify_groups
 
 MODES = {  # BeamParams overrides: T 0, fixed and dynamic width, memory-efficient, another temperature, top-k
     "search": dict(temperature=0.0, length_penalty=0.5),
@@ -55,18 +55,6 @@ def _recorded_verifications(monkeypatch) -> list[tuple[list[torch.Tensor], objec
     return out
 
 
-def _packed(batch) -> tuple[torch.Tensor, list[GroupInput]]:
-    """The step's logits (every group's paths, one after another) and each group's input."""
-    rows, inputs = [], []
-    for path_logits, vs, joints, support, _ in batch:
-        starts = []
-        for logits in path_logits:
-            starts.append(sum(t.shape[0] for t in rows))
-            rows.append(logits)
-        inputs.append(GroupInput(vs, starts, joints, support))
-    return torch.cat(rows), inputs
-
-
 def test_groups_verified_together_decide_as_each_alone(monkeypatch):
     records = _recorded_verifications(monkeypatch)
     depths = {len(vs.draft_parents) for _, vs, *_ in records}
@@ -77,7 +65,7 @@ def test_groups_verified_together_decide_as_each_alone(monkeypatch):
         for r in rng.sample(records, len(records)):
             picked.setdefault(r[1].group_id, r)
         batch = list(picked.values())
-        got = verify_groups(*_packed(batch))
+        got = verify_groups(*solo.packed_verifications(batch))
         assert set(got) == {vs.group_id for _, vs, *_ in batch}
         for _, vs, _, _, want in batch:
             assert got[vs.group_id] == want, (trial, vs.group_id)
@@ -111,7 +99,7 @@ def test_the_batched_verification_makes_no_tensor_on_an_implicit_device(monkeypa
     by_group = {}
     for r in records:
         by_group.setdefault(r[1].group_id, r)
-    logits, inputs = _packed(list(by_group.values()))
+    logits, inputs = solo.packed_verifications(list(by_group.values()))
     with _NoImplicitDevice() as mode:
         verify_groups(logits, inputs)
     assert mode.calls == []
@@ -136,7 +124,7 @@ def test_a_verification_sharing_one_generator_across_groups_is_caught(monkeypatc
     real = verify_step.generator
     shared = real(1, 0, 1000)
     monkeypatch.setattr(verify_step, "generator", lambda *a, **k: shared)
-    got = verify_groups(*_packed(batch))
+    got = verify_groups(*solo.packed_verifications(batch))
     same = all(got[vs.group_id] == want for _, vs, _, _, want in batch)
     assert same == (mode == "search")
 

@@ -89,7 +89,7 @@ def _bucket_key(g: GroupInput) -> tuple:
 
 def _verify_bucket(logits: Tensor, members: list[GroupInput], stops: StopCheckers | None) -> dict[str, VerifyDecision]:
     first = members[0].vs
-    width, vocab, device = first.beam_width, logits.shape[-1], logits.device
+    width, device = first.beam_width, logits.device
     depth = max(len(g.vs.draft_parents) for g in members)
     nodes = _node_logits(logits, members, depth)  # [G, γ+1, W, V] float32
     completes = [node_completes(g.vs, stops) for g in members]
