@@ -35,6 +35,16 @@ every other cost could reach. ``--omp-bind`` sets vLLM's
 ``VLLM_CPU_OMP_THREADS_BIND`` for the engine (``0-1``: the worker computes on
 cores 0 and 1; vLLM's default ``auto`` leaves one core to the engine core).
 
+Quality beside speed (:mod:`benchmarks.frontier`): at T > 0 the run adds in-engine beam sampling at the
+narrower widths ``--beam-widths`` (default 1, 2, 3) as rows of their own, interleaved with the rest; after the
+engines shut down, every row's beams are scored under the target (``quality_best``: the best returned beam's
+mean log-prob per token, averaged over requests; ``quality_mean``: all returned beams'), and each DSBD row at
+T > 0 gets ``speedup_at_equal_quality``: against the narrowest beam sampling whose beams are as likely.
+
+The engine runs in vLLM's default compiled mode (``compiled: true`` in the settings, with the seconds the
+engine took to start, compilation included; vLLM caches the compiled graphs under ``~/.cache/vllm``) unless
+``--enforce-eager``.
+
 Writes ``dsbd.json`` and ``dsbd.png`` into ``--out``.
 """
 
@@ -43,8 +53,10 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks.frontier import QUALITY, place, plot_frontier, score_rows
 from benchmarks.machine import machine_facts
 from benchmarks.run import load_prompts
 from benchmarks.scripts import add_prompt_args, write_result
@@ -78,13 +90,17 @@ WIDTHS = ("fixed", "dynamic", "memory-efficient")
 
 
 def _rows(gammas: list[int], temperature: float, auto: int, in_step: list[bool], scales: list[float | None],
-          memory_efficient: bool = False) -> list[tuple[str, int, str, bool, bool, float | None]]:
-    """(name, γ (the maximum with auto), width (``WIDTHS``), auto_depth, draft_in_step, draft_temperature_scale)
-    of every row; γ = 0 (the baseline) first. Every DSBD row comes once per ``in_step`` mode and once per draft
+          memory_efficient: bool = False, beam_widths: Sequence[int] = ()
+          ) -> list[tuple[str, int, str, bool, bool, float | None]]:
+    """(name, γ (the maximum with auto), width (``WIDTHS``, or ``beam-N``: in-engine at width N), auto_depth,
+    draft_in_step, draft_temperature_scale) of every row; γ = 0 (the baseline) first, then at T > 0 in-engine
+    beam sampling at each of ``beam_widths``. Every DSBD row comes once per ``in_step`` mode and once per draft
     temperature scale (None: the knob is not sent, the engine's value applies; at T 0 it scales how the draft
     ranks its candidates); memory-efficient rows at T > 0 only with ``memory_efficient``."""
     widths = ["fixed"] if temperature == 0 else [w for w in WIDTHS if memory_efficient or w != "memory-efficient"]
     rows = [("in-engine", 0, "fixed", False, False, 1.0)]
+    if temperature:
+        rows += [("in-engine", 0, f"beam-{w}", False, False, 1.0) for w in beam_widths]
     for gamma in (g for g in gammas if g > 0):
         rows += [(f"dsbd-{width}", gamma, width, False, mode, scale)
                  for width in widths for mode in in_step for scale in scales]
@@ -117,10 +133,12 @@ def run(args: argparse.Namespace) -> dict:
     batches = ([inputs] if args.batch == "all" else [[x] for x in inputs]) * args.repeat
     auto_max = (args.auto_max or max(gammas)) if args.auto else 0  # γmax of the auto_depth rows
     vocab_sizes = [int(v) for v in args.draft_vocab_sizes.split(",")]
+    beam_widths = [int(w) for w in args.beam_widths.split(",") if w and int(w) != args.width]
     rows, baselines = [], {}  # baselines: temperature -> (seconds, tokens, forward seconds) of in-engine decoding
     # both: one engine with the knob, each fixed-depth row run with it turned on and off per request, in turn
     in_step = {"off": [False], "on": [True], "both": [False, True]}[args.draft_in_step]
     engines = [(d, v) for d in drafts for v in vocab_sizes]
+    engine_start_s = []
     for engine_index, (draft, vocab_size) in enumerate(engines):
         knobs = {"draft_vocab_size": vocab_size} if vocab_size else {}
         if args.draft_dtype != "auto":
@@ -128,13 +146,25 @@ def run(args: argparse.Namespace) -> dict:
         head = _is_head(draft)
         if head:  # a draft model drafts in draft steps (the knob is refused)
             knobs["draft_in_step"] = args.draft_in_step != "off"
-        llm = LLM(**dsbd_engine_kwargs(target, draft, max(max(gammas), auto_max, 1), args.width, dtype.dtype,
-                                       **knobs), disable_log_stats=False)
+        kwargs = dsbd_engine_kwargs(target, draft, max(max(gammas), auto_max, 1), args.width, dtype.dtype, **knobs)
+        start = time.perf_counter()
+        llm = LLM(**dict(kwargs, enforce_eager=args.enforce_eager), disable_log_stats=False)
+        engine_start_s.append(time.perf_counter() - start)
+        print(f"[dsbd] engine started in {engine_start_s[-1]:.0f} s "
+              f"({'eager' if args.enforce_eager else 'compiled'})", flush=True)
         # γ 0 runs no draft: the first engine's in-engine rows are every engine's baseline
         rows += _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft, vocab_size, baselines,
-                          with_baseline=engine_index == 0, in_step=in_step if head else [False], scales=scales)
+                          with_baseline=engine_index == 0, in_step=in_step if head else [False], scales=scales,
+                          beam_widths=beam_widths)
         llm.llm_engine.engine_core.shutdown()
         del llm
+    score_rows(target, [p.token_ids for p in prompts], rows)
+    place(rows)
+    for r in rows:
+        print(f"[dsbd] T={r['temperature']} γ={r['gamma']} W {r['beam_width']} {_label(r):25s} quality "
+              f"{r['quality_best']:.3f} (mean beam {r['quality_mean']:.3f})"
+              + (f"; beam sampling at equal quality: W {r['equal_quality_beam_width']}, "
+                 f"{r['speedup_at_equal_quality']:.2f}x" if "speedup_at_equal_quality" in r else ""), flush=True)
     return {
         "benchmark": "bench_dsbd",
         "settings": {"pair": args.pair, "target": target, "drafts": drafts, "width": args.width, "gammas": gammas,
@@ -147,18 +177,25 @@ def run(args: argparse.Namespace) -> dict:
                      "batch": "all prompts" if args.batch == "all" else "1 (prompts one after another)",
                      "repeat": args.repeat,
                      "ignore_eos": True, "seed": args.seed, **dtype.as_dict(), "draft_dtype": args.draft_dtype,
-                     "block_size": 32,
+                     "block_size": 32, "compiled": not args.enforce_eager, "engine_start_s": engine_start_s,
+                     "beam_widths": beam_widths, "quality": QUALITY,
                      "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")},
         "machine": machine_facts(),
         "results": rows,
     }
 
 
+def _beam_width(width: str, request_width: int) -> int:
+    """The beam width of a row: N for an in-engine ``beam-N`` row, else the requests' width."""
+    return int(width.removeprefix("beam-")) if width.startswith("beam-") else request_width
+
+
 def _label(row: dict) -> str:
     """A row's method, marked when its engine drafts inside the verify step and with its draft's temperature
     scale when not 1."""
     scale = row.get("draft_temperature_scale", 1.0)
-    return (row["method"] + (" in-step" if row.get("draft_in_step") else "")
+    return (row["method"] + ("" if row["gamma"] else f" W {row.get('beam_width', '')}")
+            + (" in-step" if row.get("draft_in_step") else "")
             + (f" q-T x{scale:g}" if scale != 1 else ""))
 
 
@@ -174,8 +211,9 @@ def _is_head(draft: str) -> bool:
 
 
 def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft, vocab_size, baselines,
-              with_baseline: bool, in_step: list[bool], scales: list[float | None]) -> list[dict]:
-    """Every row of one engine (one draft and draft_vocab_size); the in-engine baseline only ``with_baseline``."""
+              with_baseline: bool, in_step: list[bool], scales: list[float | None],
+              beam_widths: Sequence[int]) -> list[dict]:
+    """Every row of one engine (one draft and draft_vocab_size); the in-engine rows only ``with_baseline``."""
     from vllm import SamplingParams
 
     from vllm_dsbd.config import DSBDConfig
@@ -183,7 +221,8 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft,
     engine_scale = DSBDConfig.from_vllm_config(llm.llm_engine.vllm_config).draft_temperature_scale
 
     def decode(gamma, temperature, width, auto, in_step_row, scale, max_tokens, batch):
-        extra = {"beam_width": args.width, "num_speculative_tokens": gamma, "width_threshold": args.tau,
+        beams = _beam_width(width, args.width)
+        extra = {"beam_width": beams, "num_speculative_tokens": gamma, "width_threshold": args.tau,
                  "auto_depth": auto}
         if scale is not None:
             extra["draft_temperature_scale"] = scale
@@ -193,15 +232,15 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft,
             extra["memory_efficient"] = True
         if args.draft_in_step != "off":  # the engine drafts in the verify step unless the request turns it off
             extra["draft_in_step"] = in_step_row
-        n = 1 if width == "memory-efficient" else args.width  # one sequence out when one beam is carried
+        n = 1 if width == "memory-efficient" else beams  # one sequence out when one beam is carried
         params = SamplingParams(n=n, temperature=temperature, seed=args.seed, max_tokens=max_tokens,
                                 ignore_eos=True, extra_args=extra)
         return llm.generate(batch, params, use_tqdm=False)
 
     rows = []
     for temperature in temperatures:
-        specs = [spec for spec in _rows(gammas, temperature, auto_max, in_step, scales, args.memory_efficient)
-                 if spec[1] > 0 or with_baseline]
+        specs = [spec for spec in _rows(gammas, temperature, auto_max, in_step, scales, args.memory_efficient,
+                                        beam_widths) if spec[1] > 0 or with_baseline]
         for _, gamma, *knobs in specs:
             decode(gamma, temperature, *knobs, 4, inputs[:1])  # warm-up
         # Interleaved: each batch runs every row in turn, so a drift of the machine's speed during the
@@ -229,15 +268,18 @@ def _run_rows(llm, args, inputs, batches, gammas, temperatures, auto_max, draft,
             secs, out, profile = run["secs"], run["out"], run["profile"]
             tokens = [[list(c.token_ids) for c in o.outputs] for o in out]
             forward_s = sum(p["forward_s"] for p in profile.values())
-            row = {"method": name, "gamma": gamma, "auto_depth": auto, "temperature": temperature,
+            row = {"method": name, "gamma": gamma, "beam_width": _beam_width(width, args.width),
+                   "auto_depth": auto, "temperature": temperature,
                    "draft_in_step": in_step_row,
                    "draft_temperature_scale": engine_scale if scale is None else scale,
                    "draft": Path(draft).name if gamma else None, "draft_vocab_size": vocab_size if gamma else 0,
                    "wall_s": secs,
                    **run["counters"], "step_profile": profile,
-                   "wall_per_forward": secs / max(forward_s, 1e-9)}
-            if gamma == 0:
+                   "wall_per_forward": secs / max(forward_s, 1e-9), "_beams": tokens}
+            if gamma == 0 and width == "fixed":
                 baselines[temperature] = (secs, tokens, forward_s)
+            elif gamma == 0:  # in-engine at a narrower width: its cost beside the request's width
+                row["speedup_vs_in_engine"] = baselines[temperature][0] / secs
             else:
                 base_secs, base_tokens, base_forward_s = baselines[temperature]
                 row["speedup_vs_in_engine"] = base_secs / secs
@@ -268,9 +310,18 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     s = result["settings"]
-    fig, axes = plt.subplots(1, len(s["temperatures"]), figsize=(5 * len(s["temperatures"]), 6.5), squeeze=False)
+    scored = any(r.get("quality_best") is not None for r in result["results"])
+    fig, axes = plt.subplots(2 if scored else 1, len(s["temperatures"]),
+                             figsize=(5 * len(s["temperatures"]), 11 if scored else 6.5), squeeze=False)
+    if scored:
+        for ax, temperature in zip(axes[1], s["temperatures"]):
+            if temperature:
+                plot_frontier(ax, result["results"], temperature)
+            else:
+                ax.axis("off")  # T 0: every exact row returns the baseline's beams
     for ax, temperature in zip(axes[0], s["temperatures"]):
-        rows = [r for r in result["results"] if r["temperature"] == temperature]
+        rows = [r for r in result["results"] if r["temperature"] == temperature and r["gamma"]
+                or r["method"] == "in-engine" and r.get("beam_width", s["width"]) == s["width"]]
         engines = sorted({(r.get("draft"), r.get("draft_vocab_size", 0), bool(r.get("draft_in_step")),
                            r.get("draft_temperature_scale", 1.0)) for r in rows if r["gamma"]}, key=str)
         for draft, vocab, in_step, scale in engines:
@@ -342,6 +393,11 @@ def main() -> None:
     add_dtype_argument(parser)
     parser.add_argument("--draft-dtype", default="auto", choices=DRAFT_DTYPES,
                         help="the draft's dtype (DSBD knob draft_dtype; auto: the target's)")
+    parser.add_argument("--beam-widths", default="1,2,3",
+                        help="at T > 0, in-engine beam sampling at these narrower widths too, comma-separated "
+                             "(empty: none): the frontier each DSBD row's quality is placed on")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run the engine eager (default: vLLM's default compiled mode)")
     parser.add_argument("--out", default="benchmarks/results/dsbd")
     args = parser.parse_args()
     if not args.gammas.startswith("0"):

@@ -12,6 +12,9 @@ The two methods draw with different random numbers, so the pairing removes the p
 sampling noise: a difference within the interval is what an exact algorithm shows.
 
     python -m benchmarks.paired_quality --pairs 1024 --out benchmarks/results/paired-quality
+
+Runs with disjoint seeds (``--seed``) pool into one result: ``--pool DIR DIR ... --out DIR`` recomputes the
+statistics over every record (each part's settings must match but for seeds and pairs).
 """
 
 from __future__ import annotations
@@ -114,24 +117,7 @@ def run(args: argparse.Namespace) -> dict:
         best = paired_stats([r["dsbd_best"] - r["beam_best"] for r in records], args.detect) if done > 1 else None
         print(f"[paired] {done}/{len(jobs)} pairs, {time.perf_counter() - start_all:.0f} s"
               + (f", best beam diff {best['mean']:+.4f} ± {best['se']:.4f}" if best else ""), flush=True)
-    acceptance = counters["accepted_tokens"] / max(counters["draft_tokens"], 1)
-    summary = {
-        "best_beam": paired_stats([r["dsbd_best"] - r["beam_best"] for r in records], args.detect),
-        "mean_beam": paired_stats([r["dsbd_mean"] - r["beam_mean"] for r in records], args.detect),
-        "beam_sampling": {"best": _mean([r["beam_best"] for r in records]),
-                          "mean": _mean([r["beam_mean"] for r in records])},
-        "dsbd": {"best": _mean([r["dsbd_best"] for r in records]), "mean": _mean([r["dsbd_mean"] for r in records])},
-        "node_acceptance": acceptance,
-        "tokens_per_target_forward": counters["beam_layers"] / max(counters["drafts"], 1),
-        "seconds": secs,
-    }
-    for key in ("best_beam", "mean_beam"):
-        s = summary[key]
-        print(f"[paired] {key}: DSBD - beam sampling = {s['mean']:+.4f} ± {s['se']:.4f} nats/token "
-              f"(95 % CI {s['ci95'][0]:+.4f} .. {s['ci95'][1]:+.4f}; z {s['z']:+.2f}; "
-              f"power to see {args.detect} {s['power_to_detect']:.2f})", flush=True)
-    print(f"[paired] node acceptance {acceptance:.3f}, tokens per target forward "
-          f"{summary['tokens_per_target_forward']:.2f}", flush=True)
+    summary = summarize(records, counters, secs, args.detect)
     llm.llm_engine.engine_core.shutdown()
     return {
         "benchmark": "paired_quality",
@@ -144,6 +130,70 @@ def run(args: argparse.Namespace) -> dict:
         "summary": summary,
         "records": records,
     }
+
+
+def summarize(records: list[dict], counters: dict, secs: dict, detect: float) -> dict:
+    """The paired statistics of ``records`` (printed too), the DSBD requests' counters and the seconds."""
+    acceptance = counters["accepted_tokens"] / max(counters["draft_tokens"], 1)
+    summary = {
+        "best_beam": paired_stats([r["dsbd_best"] - r["beam_best"] for r in records], detect),
+        "mean_beam": paired_stats([r["dsbd_mean"] - r["beam_mean"] for r in records], detect),
+        "beam_sampling": {"best": _mean([r["beam_best"] for r in records]),
+                          "mean": _mean([r["beam_mean"] for r in records])},
+        "dsbd": {"best": _mean([r["dsbd_best"] for r in records]), "mean": _mean([r["dsbd_mean"] for r in records])},
+        "node_acceptance": acceptance,
+        "tokens_per_target_forward": counters["beam_layers"] / max(counters["drafts"], 1),
+        "counters": counters,
+        "seconds": secs,
+    }
+    for key in ("best_beam", "mean_beam"):
+        s = summary[key]
+        print(f"[paired] {key}: DSBD - beam sampling = {s['mean']:+.4f} ± {s['se']:.4f} nats/token "
+              f"(95 % CI {s['ci95'][0]:+.4f} .. {s['ci95'][1]:+.4f}; z {s['z']:+.2f}; "
+              f"power to see {detect} {s['power_to_detect']:.2f})", flush=True)
+    print(f"[paired] node acceptance {acceptance:.3f}, tokens per target forward "
+          f"{summary['tokens_per_target_forward']:.2f}", flush=True)
+    return summary
+
+
+def pool(parts: list[Path], detect: float) -> dict:
+    """One result over the records of several runs with disjoint seeds and otherwise equal settings."""
+    import json
+
+    results = [json.loads((p / "paired_quality.json").read_text()) for p in parts]
+    varying = {"pairs", "seed"}
+    first = {k: v for k, v in results[0]["settings"].items() if k not in varying}
+    for part, r in zip(parts, results):
+        other = {k: v for k, v in r["settings"].items() if k not in varying}
+        if other != first:
+            raise SystemExit(f"--pool: {part} differs in {sorted(k for k in first if first[k] != other.get(k))}")
+    seen: set = set()
+    for part, r in zip(parts, results):
+        keys = {(x["prompt"], x["seed"]) for x in r["records"]}
+        if keys & seen:
+            raise SystemExit(f"--pool: {part} repeats (prompt, seed) pairs of an earlier part")
+        seen |= keys
+    records = [x for r in results for x in r["records"]]
+    counters = dict.fromkeys(COUNTERS, 0.0)
+    secs = {"beam": 0.0, "dsbd": 0.0}
+    for r in results:
+        s = r["summary"]
+        # Runs before the counters were stored: the acceptance rebuilt from its rate, weighted by pairs.
+        part = s.get("counters") or {"accepted_tokens": s["node_acceptance"] * len(r["records"]),
+                                     "draft_tokens": len(r["records"]),
+                                     "beam_layers": s["tokens_per_target_forward"] * len(r["records"]),
+                                     "drafts": len(r["records"])}
+        for k in counters:
+            counters[k] += part.get(k, 0.0)
+        for k in secs:
+            secs[k] += s["seconds"][k]
+    return {"benchmark": "paired_quality",
+            "settings": {**results[0]["settings"], "pairs": len(records),
+                         "seed": [r["settings"]["seed"] for r in results],
+                         "pooled_from": [p.name for p in parts]},
+            "machine": results[0]["machine"],
+            "summary": summarize(records, counters, secs, detect),
+            "records": records}
 
 
 def _mean(xs: list[float]) -> float:
@@ -196,9 +246,12 @@ def main() -> None:
     parser.add_argument("--prompts-file", default="benchmarks/prompts/prompts.json")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/paired-quality")
+    parser.add_argument("--pool", nargs="+", type=Path, default=None, metavar="DIR",
+                        help="pool earlier runs' results (disjoint seeds) into --out instead of running")
     add_dtype_argument(parser)
     args = parser.parse_args()
-    write_result(run(args), Path(args.out), "paired_quality", plot)
+    result = pool(args.pool, args.detect) if args.pool else run(args)
+    write_result(result, Path(args.out), "paired_quality", plot)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -340,3 +341,46 @@ def test_bench_dsbd_rows_memory_efficient_only_at_t_above_zero_when_asked():
                             for mode in (False, True)]
     assert all(r[2] == "memory-efficient" for r in extra)
     assert _rows([0, 1], 0.0, 0, [False], [None], memory_efficient=True) == _rows([0, 1], 0.0, 0, [False], [None])
+
+
+def test_bench_dsbd_rows_add_narrower_beam_sampling_only_at_t_above_zero():
+    """``--beam-widths``: in-engine rows at the narrower widths follow the baseline at T > 0, never at T 0."""
+    from benchmarks.bench_dsbd import _beam_width, _rows
+
+    rows = _rows([0, 1], 1.0, 0, [True], [None], beam_widths=[1, 2, 3])
+    assert [(r[0], r[1], _beam_width(r[2], 4)) for r in rows[:5]] == [
+        ("in-engine", 0, 4), ("in-engine", 0, 1), ("in-engine", 0, 2), ("in-engine", 0, 3), ("dsbd-fixed", 1, 4)]
+    assert _rows([0, 1], 0.0, 0, [True], [None], beam_widths=[1, 2]) == _rows([0, 1], 0.0, 0, [True], [None])
+
+
+def test_frontier_scores_every_beam_and_places_dsbd_on_the_narrowest_beam_sampling_as_likely(tiny_pair):
+    """``quality_best`` / ``quality_mean`` are the scorer's per-beam means (best of a request's beams, then
+    averaged over requests; request i on prompt i mod P); a DSBD row at T > 0 is compared with the narrowest
+    in-engine row at least as likely (the widest when none is), and T 0 rows are not placed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks import scoring
+    from benchmarks.frontier import place, score_rows
+
+    prompts = [(5, 9, 17, 3), (11, 2)]
+    beams = [[[7, 8, 9], [40, 1]], [[3, 3]], [[7, 8, 9]]]  # three requests: prompts 0, 1, 0
+    rows = [{"gamma": 0, "temperature": 1.0, "_beams": beams}]
+    score_rows(str(tiny_pair.target), prompts, rows)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_pair.target), dtype=torch.float32).eval()
+    alone = [[scoring.mean_logprob(model, prompts[i % 2], b) for b in bs] for i, bs in enumerate(beams)]
+    assert math.isclose(rows[0]["quality_best"], sum(max(s) for s in alone) / 3, rel_tol=1e-4)
+    assert math.isclose(rows[0]["quality_mean"], sum(sum(s) / len(s) for s in alone) / 3, rel_tol=1e-4)
+
+    def row(gamma, width, quality, secs, temperature=1.0):
+        return {"gamma": gamma, "beam_width": width, "quality_best": quality, "wall_s": secs,
+                "temperature": temperature}
+
+    table = [row(0, 1, -2.0, 9.0), row(0, 2, -1.2, 9.5), row(0, 3, -0.9, 9.8), row(0, 4, -0.8, 10.0),
+             row(1, 4, -1.25, 9.0), row(1, 4, -0.7, 12.5), row(1, 4, -0.8, 5.0, temperature=0.0)]
+    place(table)
+    assert (table[4]["equal_quality_beam_width"], table[4]["speedup_at_equal_quality"]) == (2, 9.5 / 9.0)
+    assert not table[4]["above_widest_beam_sampling"]
+    assert (table[5]["equal_quality_beam_width"], table[5]["above_widest_beam_sampling"]) == (4, True)
+    assert table[5]["speedup_at_equal_quality"] == 10.0 / 12.5
+    assert "speedup_at_equal_quality" not in table[6]
