@@ -99,7 +99,7 @@ def _permutation(vocab: int, seed: int):
     return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
 
 
-def write_permutation_target(target_dir: Path, out_dir: Path, seed: int = 0) -> Path:
+def write_permutation_target(target_dir: Path, out_dir: Path, seed: int = 0, logit_scale: float = LOGIT_SCALE) -> Path:
     """The Llama target in ``target_dir`` turned into a bigram model: every layer adds nothing (zero ``o_proj`` and
     ``down_proj``), embeddings are unit rows, and the untied ``lm_head`` makes token ``perm[t]`` follow token t
     (``perm`` = :func:`_permutation`). Every aux hidden state at position p is then the embedding of token p."""
@@ -123,7 +123,7 @@ def write_permutation_target(target_dir: Path, out_dir: Path, seed: int = 0) -> 
     perm = _permutation(emb.shape[0], seed)
     out = torch.empty_like(emb)
     out[perm] = emb  # row perm[t] is embedding t: the logit of perm[t] after t is the largest
-    w["lm_head.weight"] = (out * LOGIT_SCALE).contiguous()
+    w["lm_head.weight"] = (out * logit_scale).contiguous()
     save_file(w, str(out_dir / "model.safetensors"))
     config = json.loads((target_dir / "config.json").read_text())
     config["tie_word_embeddings"] = False
@@ -134,17 +134,20 @@ def write_permutation_target(target_dir: Path, out_dir: Path, seed: int = 0) -> 
     return out_dir
 
 
-def write_permutation_head(target_dir: Path, out_dir: Path, steps: int = 2, seed: int = 0) -> Path:
+def write_permutation_head(target_dir: Path, out_dir: Path, steps: int = 2, seed: int = 0,
+                           logit_scale: float = LOGIT_SCALE, draft_tokens=None) -> Path:
     """A speculators-layout head for :func:`write_permutation_target` (same ``seed``) whose layer adds nothing and
     whose ``lm_head`` predicts ``perm^steps`` of the token its feature comes from. A head fed the feature of
-    position p - 1 (EAGLE-3's layout) predicts token p + 1 with ``steps=2``; ``steps=1`` predicts token p again."""
+    position p - 1 (EAGLE-3's layout) predicts token p + 1 with ``steps=2``; ``steps=1`` predicts token p again.
+    ``draft_tokens``: the head's draft vocabulary (target token ids; its ``d2t`` / ``t2d``), else the whole one."""
     import torch
     from safetensors.torch import load_file, save_file
 
     head = write_tiny_head(target_dir, out_dir, "speculators", draft_vocab_size=1024, seed=seed)
     config = json.loads((head / "config.json").read_text())
     vocab = config["transformer_layer_config"]["vocab_size"]
-    config["draft_vocab_size"] = vocab  # the whole vocabulary: no d2t
+    tokens = None if draft_tokens is None else torch.tensor(sorted(set(draft_tokens)))
+    config["draft_vocab_size"] = vocab if tokens is None else len(tokens)  # the whole vocabulary: no d2t
     (head / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     w = load_file(str(head / "model.safetensors"))
     emb = load_file(str(Path(target_dir) / "model.safetensors"))["model.embed_tokens.weight"]
@@ -160,8 +163,13 @@ def write_permutation_head(target_dir: Path, out_dir: Path, steps: int = 2, seed
         power = perm[power]
     out = torch.empty_like(emb)
     out[power] = emb
-    w["lm_head.weight"] = (out * LOGIT_SCALE).contiguous()
+    w["lm_head.weight"] = (out * logit_scale).contiguous()
     del w["d2t"], w["t2d"]
+    if tokens is not None:  # the rows of the draft vocabulary, d2t[i] = token_i - i, t2d marks the tokens
+        w["lm_head.weight"] = w["lm_head.weight"][tokens].contiguous()
+        w["d2t"] = tokens - torch.arange(len(tokens))
+        w["t2d"] = torch.zeros(vocab, dtype=torch.bool)
+        w["t2d"][tokens] = True
     save_file(w, str(head / "model.safetensors"))
     return head
 

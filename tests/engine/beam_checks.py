@@ -68,14 +68,16 @@ def start_spec_llm(model, draft, env: dict[str, str], gamma: int = 3, knobs: dic
                       "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20, **overrides})
 
 
-def start_permutation_llm(tiny_target, root: Path, env: dict[str, str] | None = None, **kw):
+def start_permutation_llm(tiny_target, root: Path, env: dict[str, str] | None = None, logit_scale: float | None = None,
+                          **kw):
     """A DSBD engine (γ <= 2) on a bigram target written under ``root`` (next token = a permutation of the
     current one, made from ``tiny_target``) with a head that predicts it from the feature of the position
     before (as EAGLE-3 lays out its inputs): every draft after a prompt's first iteration is right."""
     from eagle3_heads import write_permutation_head, write_permutation_target  # tests/eagle3_heads.py
 
-    target = write_permutation_target(tiny_target, root / "target")
-    return start_spec_llm(target, write_permutation_head(target, root / "head"), env or {}, gamma=2, **kw)
+    scale = {} if logit_scale is None else {"logit_scale": logit_scale}
+    target = write_permutation_target(tiny_target, root / "target", **scale)
+    return start_spec_llm(target, write_permutation_head(target, root / "head", **scale), env or {}, gamma=2, **kw)
 
 
 def assert_the_permutation_head_is_right_after_each_prompt(llm) -> None:

@@ -68,3 +68,11 @@ def tight_in_step_llm(engine_pool, tiny_eos_target, heads):
     """``in_step_llm`` (a random head drafting inside the verify step) with a tight KV cache."""
     return engine_pool.get("tight_in_step_llm", lambda: start_spec_llm(
         tiny_eos_target, heads["speculators"], {}, knobs={"draft_in_step": True}, kv_cache_memory_bytes=TIGHT_KV))
+
+
+@pytest.fixture
+def self_draft_llm(engine_pool, tiny_eos_target):
+    """The draft is the target itself; the engine core runs in this process (its scheduler is inspected, and
+    planted bugs reach its runner)."""
+    return engine_pool.get("self_draft_llm", lambda: start_spec_llm(
+        tiny_eos_target, tiny_eos_target, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))

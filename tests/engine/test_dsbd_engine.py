@@ -65,14 +65,6 @@ def _assert_lossless_on_smollm2(llm, target_llm, width, gamma):
             [s.cum_logprob for s in w.sequences], abs=1e-3)
 
 
-@pytest.fixture
-def self_draft_llm(engine_pool, tiny_eos_target):
-    """The draft is the target itself; the engine core runs in this process (its scheduler is inspected, and
-    planted bugs reach its runner)."""
-    return engine_pool.get("self_draft_llm", lambda: start_spec_llm(
-        tiny_eos_target, tiny_eos_target, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
-
-
 def _sharpened_self_draft_requests(num: int = 2000) -> list:
     """Fixed-width T 1 requests (W 2, γ 2, 3 tokens, top-k 3 on the joint) whose draft is the target sampled at
     half its temperature: it agrees often but not always, so layers pass, fail after acceptances (residual

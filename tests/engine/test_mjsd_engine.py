@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 from beam_checks import (  # tests/engine/beam_checks.py
-    PROMPTS, _hf_logits_fn, assert_kv_freed_after_finish_and_abort, beam_search, engine_metric, start_spec_llm)
+    PROMPTS, _hf_logits_fn, assert_kv_freed_after_finish_and_abort, beam_search, engine_metric,
+    plant_draft_joint_at_another_temperature, start_spec_llm)
 
 pytestmark = pytest.mark.engine
 
@@ -57,6 +58,35 @@ def test_temperature_zero_mjsd_is_greedy_on_smollm2(dsbd_spec_target_llm, target
 def test_seeded_mjsd_sampling_equals_the_reference_decoder(dsbd_tiny_spec_llm, tiny_eos_target, tiny_pair):
     """T = 1 (with top-k / top-p): the engine's tokens equal ``mjsd_decode`` over Hugging Face logits of the
     same target and draft, seeded as the engine seeds its draws (per iteration and draw)."""
+    _assert_seeded_mjsd_is_the_reference_decoder(dsbd_tiny_spec_llm, tiny_eos_target, tiny_pair.draft)
+
+
+def test_seeded_mjsd_with_accepted_drafts_equals_the_reference_decoder(self_draft_llm, tiny_eos_target):
+    """The same with the target as its own draft: drafts are accepted (at least 0.3 of the proposed tokens),
+    so the paths the draft drew, their acceptance by joint likelihood and the bonus after them are checked,
+    not only the target's fallback. Top-k 20 throughout: the tiny target is nearly flat over its 49,152
+    tokens, and a draw from a 3-beam joint over all of them can move with a 1e-5 change of the draft's logits
+    (measured on the reference decoder alone), which is how far vLLM's and Hugging Face's float32 logits
+    differ; with top-k 20, 80 of 80 seeded requests (K 2-3, γ 2-3) matched."""
+    _assert_seeded_mjsd_is_the_reference_decoder(self_draft_llm, tiny_eos_target, tiny_eos_target,
+                                                 min_acceptance=0.3, top_ks=(20, 20))
+
+
+def test_the_seeded_mjsd_check_rejects_a_draft_joint_at_another_temperature(self_draft_llm, tiny_eos_target,
+                                                                             monkeypatch):
+    """A planted bug in the engine path: the runner keeps, for verification, the draft joint at 4x the
+    temperature the layer drew from (so MJSD reads log Q at the wrong temperature). The check above fails."""
+    plant_draft_joint_at_another_temperature(monkeypatch, 4.0)
+    with pytest.raises(AssertionError):
+        _assert_seeded_mjsd_is_the_reference_decoder(self_draft_llm, tiny_eos_target, tiny_eos_target,
+                                                     top_ks=(20, 20))
+
+
+def _assert_seeded_mjsd_is_the_reference_decoder(llm, target_path, draft_path, min_acceptance: float = 0.0,
+                                                 top_ks: tuple[int, int] = (0, 20)):
+    """Eight seeded T 1 requests (K 3, γ 3, τ 0 / 0.3 / 0.9, top-k alternating over ``top_ks``, top-p 1 / 0.9)
+    equal the reference decoder's; other seeds give other tokens; at least ``min_acceptance`` of the proposed
+    draft tokens were accepted."""
     from vllm_dsbd.algorithm.mjsd import MJSDParams, mjsd_decode
     from vllm_dsbd.engine.streams import generator
 
@@ -66,15 +96,17 @@ def test_seeded_mjsd_sampling_equals_the_reference_decoder(dsbd_tiny_spec_llm, t
         fn = _hf_logits_fn(path)
         return lambda rows: torch.cat([fn([row]) for row in rows])
 
-    target, draft = rows_fn(str(tiny_eos_target)), rows_fn(str(tiny_pair.draft))
-    tok = dsbd_tiny_spec_llm.get_tokenizer()
-    cases = [(seed, PROMPTS[seed % 3], dict(top_k=[0, 20][seed % 2], top_p=[1.0, 0.9][seed // 2 % 2]),
+    target, draft = rows_fn(str(target_path)), rows_fn(str(draft_path))
+    tok = llm.get_tokenizer()
+    cases = [(seed, PROMPTS[seed % 3], dict(top_k=top_ks[seed % 2], top_p=[1.0, 0.9][seed // 2 % 2]),
               [0.0, 0.3, 0.9][seed % 3]) for seed in range(8)]
+    names = {k: f"vllm:spec_decode_num_{k}" for k in ("draft_tokens", "accepted_tokens")}
+    before = {k: engine_metric(llm, n) for k, n in names.items()}
     differ = 0
     for seed, prompt, sampling, tau in cases:
         params = _mjsd(12, temperature=1.0, beam_width=3, num_speculative_tokens=3, mjsd_tau=tau, seed=seed)
         params.top_k, params.top_p = sampling["top_k"] or 0, sampling["top_p"]
-        got = list(dsbd_tiny_spec_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+        got = list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
         ref = mjsd_decode(target, draft, [tok.encode(prompt)], MJSDParams(
             num_beams=3, num_speculative_tokens=3, tau=tau, temperature=1.0, max_tokens=12, eos_token_id=2,
             **sampling), rng=lambda it, salt, s=seed: generator(s, it, salt))
@@ -84,6 +116,8 @@ def test_seeded_mjsd_sampling_equals_the_reference_decoder(dsbd_tiny_spec_llm, t
             **sampling), rng=lambda it, salt, s=seed: generator(s + 100, it, salt))
         differ += shifted.tokens[0] != got
     assert differ >= 4  # the comparison has power: other seeds give other sequences
+    after = {k: engine_metric(llm, n) - before[k] for k, n in names.items()}
+    assert after["accepted_tokens"] >= min_acceptance * after["draft_tokens"], after
 
 
 def test_mjsd_dsbd_and_plain_requests_share_a_batch(dsbd_tiny_spec_llm, tiny_eos_llm):
