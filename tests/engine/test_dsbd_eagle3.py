@@ -218,6 +218,25 @@ def test_a_head_reads_the_feature_of_the_position_before_each_token(permutation_
     assert_the_permutation_head_is_right_after_each_prompt(permutation_llm)
 
 
+@pytest.mark.parametrize("in_step", [True, False], ids=["in-step", "draft-steps"])
+def test_a_head_in_a_compiled_engine_drafts_as_in_an_eager_one(engine_pool, tiny_pair, tmp_path_factory, in_step):
+    """vLLM's default mode compiles the model; the head's forwards change with every step (forest attention,
+    the step's features) and a compiled graph freezes the Python state it read while tracing, so the head runs
+    eager beside the compiled target (``eagle3.run_eager``). Compiled, the shipped head's beam layers per verify
+    step fell from 1.12 to 1.01 (T 0, γ 1, W 4; outputs unchanged). The permutation head, whose layer adds
+    nothing, drafts right either way: the check that fails on the code before is the head's modules' mode."""
+    from beam_checks import start_permutation_llm  # tests/engine/beam_checks.py
+
+    name = f"compiled_permutation_llm_{'in_step' if in_step else 'draft_steps'}"
+    llm = engine_pool.get(name, lambda: start_permutation_llm(
+        tiny_pair.target, tmp_path_factory.mktemp(name), knobs={"draft_in_step": in_step}, enforce_eager=False))
+    assert llm.llm_engine.vllm_config.model_config.enforce_eager is False
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    compiled = lambda model: [m.do_not_compile for m in model.modules() if hasattr(m, "do_not_compile")]  # noqa: E731
+    assert compiled(runner.model) == [False] and compiled(runner.drafter.model) == [True]
+    assert_the_permutation_head_is_right_after_each_prompt(llm)
+
+
 def test_the_heads_kv_of_accepted_drafts_is_recomputed_from_the_targets_features(permutation_llm):
     """W = 1, γ = 2 on the permutation pair: depth 1 is always right after the first iteration, depth 2 (fed
     the head's own output) never, so each iteration accepts one draft and adds two tokens. The head computed

@@ -112,6 +112,7 @@ class DSBDModelRunnerMixin:
             draft_head.install_reduced_head(drafter.model, ids)
             self._dsbd_support = spec_step.proposable_tokens(ids.to(self.device), vocab)
         if self._dsbd_head:
+            eagle3.run_eager(drafter.model)
             eagle3.share_target_embeddings(drafter.model, self.get_model())
             self._dsbd_support = spec_step.proposable_tokens(eagle3.draft_vocabulary(drafter.model), vocab)
             if self._dsbd_support is not None:
