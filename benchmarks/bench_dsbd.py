@@ -346,7 +346,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xlabel("γ (draft layers per iteration)")
         ax.set_ylabel("speedup vs in-engine (wall time)")
         ax.set_title(f"T={temperature}, W={s['width']}, {s['num_prompts']} prompts x {s['max_tokens']} tokens, "
-                     f"{s.get('dtype', 'float32')}, "
+                     f"{s.get('dtype', 'float32')}, {'compiled' if s.get('compiled') else 'eager'}, "
                      f"{result['machine']['cpu']}, worker cores {s.get('omp_threads_bind', 'auto')}", fontsize=8)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14))  # below: never over the points
     fig.tight_layout()
