@@ -320,8 +320,7 @@ def plot(result: dict, path: Path) -> None:
             else:
                 ax.axis("off")  # T 0: every exact row returns the baseline's beams
     for ax, temperature in zip(axes[0], s["temperatures"]):
-        rows = [r for r in result["results"] if r["temperature"] == temperature and r["gamma"]
-                or r["method"] == "in-engine" and r.get("beam_width", s["width"]) == s["width"]]
+        rows = [r for r in result["results"] if r["temperature"] == temperature]
         engines = sorted({(r.get("draft"), r.get("draft_vocab_size", 0), bool(r.get("draft_in_step")),
                            r.get("draft_temperature_scale", 1.0)) for r in rows if r["gamma"]}, key=str)
         for draft, vocab, in_step, scale in engines:

@@ -19,27 +19,14 @@ QUALITY = ("mean log-prob per token under the target (transformers, float32, tea
 def score_rows(target: str, prompts: Sequence[Sequence[int]], rows: list[dict]) -> None:
     """Set ``quality_best`` / ``quality_mean`` on every row from its ``_beams`` (one list of beams per request,
     request i on ``prompts[i % len(prompts)]``), which it removes."""
-    import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from benchmarks.scoring import load_scorer, score_outputs
 
-    from benchmarks.scoring import _mean_logprob_cached
-
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    per_prompt: list[set[tuple[int, ...]]] = [set() for _ in prompts]
+    model = load_scorer(target)
+    per_prompt: list[list[tuple[int, ...]]] = [[] for _ in prompts]
     for row in rows:
         for i, beams in enumerate(row["_beams"]):
-            per_prompt[i % len(prompts)].update(tuple(b) for b in beams if b)
-    scores: list[dict[tuple[int, ...], float]] = []
-    for prompt, outputs in zip(prompts, per_prompt):
-        prompt = list(prompt)
-        cache = DynamicCache()
-        with torch.inference_mode():
-            model(input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
-        mine = {}
-        for output in outputs:
-            mine[output] = _mean_logprob_cached(model, cache, prompt, output)
-            cache.crop(-len(output))  # back to the prompt
-        scores.append(mine)
+            per_prompt[i % len(prompts)] += [tuple(b) for b in beams if b]
+    scores = [score_outputs(model, prompt, outputs) for prompt, outputs in zip(prompts, per_prompt)]
     for row in rows:
         best, mean = [], []
         for i, beams in enumerate(row.pop("_beams")):

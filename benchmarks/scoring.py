@@ -34,30 +34,44 @@ def mean_logprob(model, prompt_ids: Sequence[int], output_ids: Sequence[int]) ->
     return picked.mean().item()
 
 
+def load_scorer(target: str):
+    """The target in transformers, float32, in eval mode: the model every score here is computed with."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
+
+def score_outputs(model, prompt: Sequence[int], outputs) -> dict[tuple[int, ...], float | None]:
+    """:func:`mean_logprob` of each distinct output of one prompt, the prompt's key-value cache computed once."""
+    import torch
+    from transformers import DynamicCache
+
+    prompt = list(prompt)
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
+    scored: dict[tuple[int, ...], float | None] = {}
+    for output in map(tuple, outputs):
+        if output not in scored:
+            scored[output] = _mean_logprob_cached(model, cache, prompt, output)
+            if output:
+                cache.crop(-len(output))  # back to the prompt
+    return scored
+
+
 def score(target: str, prompts: Sequence[Prompt], records: Sequence[RequestRecord]) -> None:
     """Set ``mean_logprob`` on every record (loads the target once)."""
-    import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    model = load_scorer(target)
     by_prompt: dict[str, list[RequestRecord]] = {}
     for r in records:
         by_prompt.setdefault(r.prompt_id, []).append(r)
     for p in prompts:
         if p.id not in by_prompt:
             continue
-        prompt = list(p.token_ids)
-        cache = DynamicCache()
-        with torch.inference_mode():
-            model(input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
-        scored: dict[tuple[int, ...], float | None] = {}
+        scored = score_outputs(model, p.token_ids, [r.beams[0] for r in by_prompt[p.id]])
         for r in by_prompt[p.id]:
-            output = tuple(r.beams[0])
-            if output not in scored:
-                scored[output] = _mean_logprob_cached(model, cache, prompt, output)
-                if output:
-                    cache.crop(-len(output))  # back to the prompt
-            r.mean_logprob = scored[output]
+            r.mean_logprob = scored[tuple(r.beams[0])]
 
 
 def _mean_logprob_cached(model, cache, prompt: list[int], output: Sequence[int]) -> float | None:
