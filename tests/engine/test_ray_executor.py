@@ -51,9 +51,10 @@ def test_a_head_drafting_in_the_verify_step_on_the_ray_executor(ray_cluster, tin
     llm = _start_on_ray(lambda env, **kw: start_permutation_llm(tiny_pair.target, tmp_path, env,
                                                                 knobs={"draft_in_step": True}, **kw))
     try:
+        empty = llm.collective_rpc("dsbd_record_decisions")
         assert_the_permutation_head_is_right_after_each_prompt(llm)
         digests = llm.collective_rpc("dsbd_decisions_digest")
-        assert len(digests) == 2 and digests[0] == digests[1]
+        assert len(digests) == 2 and digests[0] == digests[1] != empty[0]
     finally:
         llm.llm_engine.engine_core.shutdown()
 
@@ -117,7 +118,7 @@ def test_every_rank_decides_alike_and_a_rank_dependent_seed_is_caught(ray_tp2_ll
     """Last in this module: the planted run leaves the ranks' running digests apart for good."""
     from ray_shim import plant_rank_dependent_seed
 
-    before = ray_tp2_llm.collective_rpc("dsbd_decisions_digest")
+    before = ray_tp2_llm.collective_rpc("dsbd_record_decisions")
     after = _digests_after_sampling(ray_tp2_llm, 7)
     assert len(after) == 2 and after[0] == after[1] and after != before
     ray_tp2_llm.collective_rpc(plant_rank_dependent_seed, args=(True,))

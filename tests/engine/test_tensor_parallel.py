@@ -66,7 +66,9 @@ def test_speculative_beam_sampling_with_tensor_parallelism_reproduces_for_a_seed
 def test_every_rank_made_the_same_decisions(tp2_llm):
     from vllm import SamplingParams
 
-    before = tp2_llm.collective_rpc("dsbd_decisions_digest")
+    with pytest.raises(Exception, match="dsbd_record_decisions"):  # off until asked for
+        tp2_llm.collective_rpc("dsbd_decisions_digest")
+    before = tp2_llm.collective_rpc("dsbd_record_decisions")
     tp2_llm.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=12,
                                              extra_args={"beam_width": 4, "num_speculative_tokens": 2}),
                      use_tqdm=False)
@@ -109,7 +111,7 @@ def test_a_head_drafting_in_the_verify_step_on_tp2_gives_what_one_process_gives(
     params = [SamplingParams(n=n, temperature=temperature, seed=3 + i, max_tokens=12, ignore_eos=True,
                              extra_args={"num_speculative_tokens": 2, **extra})
               for i in range(len(PROMPTS))]
-    digest = tp2_head_llm.collective_rpc("dsbd_decisions_digest")
+    digest = tp2_head_llm.collective_rpc("dsbd_record_decisions")
     got, counts = _generate_counting(tp2_head_llm, params)
     want, want_counts = _generate_counting(permutation_in_step_llm, params)
     assert got == want

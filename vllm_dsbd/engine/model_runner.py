@@ -25,7 +25,9 @@ Every tensor-parallel rank runs the same decisions (same logits, same
 per-group generators); only the output rank's result is read, but each rank
 feeds its own decisions back as its next input tokens, so ranks must agree:
 :meth:`DSBDModelRunnerMixin.dsbd_decisions_digest` (a running hash of every
-decision) lets a caller check that they do.
+decision since :meth:`~DSBDModelRunnerMixin.dsbd_record_decisions` turned it
+on; off by default: it pickles every step's decisions, work a served engine
+need not do) lets a caller check that they do.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class DSBDModelRunnerMixin:
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._dsbd_drafts = spec_step.DraftStore()
-        self._dsbd_digest = hashlib.sha256()
+        self._dsbd_digest = None  # a hashlib.sha256 once dsbd_record_decisions turns recording on
         self._dsbd_profile = StepProfile()
         self._dsbd_stops = StopCheckers(self._dsbd_decode)
         if hasattr(self, "drafter"):
@@ -294,7 +296,8 @@ class DSBDModelRunnerMixin:
             if i is not None:
                 discard[i] = True
         self._dsbd_result = result
-        self._dsbd_digest.update(pickle.dumps(dataclasses.replace(result, timings={})))
+        if self._dsbd_digest is not None:
+            self._dsbd_digest.update(pickle.dumps(dataclasses.replace(result, timings={})))
         self._dsbd_profile.decided(time.perf_counter() - decide_start,
                                    sum(t.draft_seconds for t in result.timings.values()))
         return sampler_output
@@ -355,8 +358,17 @@ class DSBDModelRunnerMixin:
             lp = LogprobsTensors(widen(lp.logprob_token_ids), widen(lp.logprobs), widen(lp.selected_token_ranks))
         return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=lp)
 
+    def dsbd_record_decisions(self) -> str:
+        """Start hashing every decision this runner makes (again from nothing if it already was); returns
+        the digest of no decisions. Off until called: the hash is for tests and checks, not for serving."""
+        self._dsbd_digest = hashlib.sha256()
+        return self._dsbd_digest.hexdigest()
+
     def dsbd_decisions_digest(self) -> str:
-        """A hash of every decision this runner made so far (equal on all tensor-parallel ranks)."""
+        """A hash of every decision since :meth:`dsbd_record_decisions` (equal on all tensor-parallel ranks)."""
+        if self._dsbd_digest is None:
+            raise RuntimeError("decisions are not being recorded: call dsbd_record_decisions (through "
+                               "LLM.collective_rpc) before the requests whose decisions you want hashed")
         return self._dsbd_digest.hexdigest()
 
     def dsbd_held_state(self) -> dict[str, int]:

@@ -22,6 +22,10 @@ def _require_v1_runner(worker) -> None:
 
 
 class _DecisionsDigest:
+    def dsbd_record_decisions(self) -> str:
+        """Turn the model runner's hash of its decisions on (off by default); through ``LLM.collective_rpc``."""
+        return self.model_runner.dsbd_record_decisions()
+
     def dsbd_decisions_digest(self) -> str:
         """The model runner's hash of its decisions; through ``LLM.collective_rpc`` one per rank."""
         return self.model_runner.dsbd_decisions_digest()
