@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> dict:
     print(f"[humaneval] dtype {dtype.dtype} ({dtype.reason})", flush=True)
     settings = Settings(target=target, draft=draft, beam_width=args.width, temperature=args.temperature,
                         seed=args.seed, num_speculative_tokens=args.gamma, width_threshold=args.tau,
-                        dtype=dtype.dtype, dtype_reason=dtype.reason)
+                        dtype=dtype.dtype, dtype_reason=dtype.reason, enforce_eager=args.enforce_eager)
     summaries, records = run_methods(config, settings, prompts, tokenizer.eos_token_id)
     replies = {(r.method, r.prompt_id): tokenizer.decode(r.beams[0], skip_special_tokens=True) for r in records}
     print(f"[humaneval] checking {len(replies)} completions", flush=True)
@@ -256,6 +256,8 @@ def main() -> None:
     parser.add_argument("--tau", type=float, default=0.7, help="width_threshold of dsbd-dynamic")
     parser.add_argument("--batch", default="all", help="'all' (one batch) or requests per batch")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run vLLM's engines eager (default: vLLM's compiled mode)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per program")
     add_dtype_argument(parser)
     parser.add_argument("--out", default="benchmarks/results/humaneval")

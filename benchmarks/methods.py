@@ -47,6 +47,7 @@ class Settings:
     draft_model_tokens: int | None = None  # γ of vLLM's draft_model (default: num_speculative_tokens)
     dtype: str = "float32"  # of every model, vLLM's and transformers' (vllm_dsbd.dtypes)
     dtype_reason: str = "the default"
+    enforce_eager: bool = False  # vLLM's engines: compiled (vLLM's default) unless --enforce-eager
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,8 @@ def _vllm_engine(settings: Settings, **overrides) -> Iterator[tuple[Any, Probes]
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported
     from vllm import LLM
 
-    llm = LLM(**engine_kwargs(settings.target, settings.dtype), disable_log_stats=False, **overrides)
+    llm = LLM(**engine_kwargs(settings.target, settings.dtype, settings.enforce_eager), disable_log_stats=False,
+              **overrides)
     spec = overrides.get("speculative_config") or {}
     try:
         yield llm, Probes(

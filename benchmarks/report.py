@@ -27,6 +27,11 @@ _COLUMNS = (
 )
 
 
+def engine_mode(settings: dict) -> str:
+    """How a run's vLLM engines ran: runs before ``enforce_eager`` was recorded all ran eager."""
+    return "eager" if settings.get("enforce_eager", True) else "compiled"
+
+
 def _cell(summary: dict, key: str, fmt: str) -> str:
     value = summary.get(key)
     return "n/a" if value is None else fmt.format(value)
@@ -44,7 +49,8 @@ def markdown_table(result: dict) -> str:
         f"vllm_dsbd {m['vllm_dsbd']} (commit {m['git_commit']})",
         f"- prompts: {ps['num_prompts']} from `{ps['file']}` (hash {ps['hash'][:12]}); "
         f"max_tokens {s['max_tokens']}, batch_size {s['batch_size']}, beam width {s['beam_width']}, "
-        f"temperature {s['temperature']} (sampling methods), seed {s['seed']}",
+        f"temperature {s['temperature']} (sampling methods), seed {s['seed']}; vLLM engines "
+        f"{engine_mode(s)}, {s.get('dtype', 'float32')}",
         f"- speedup = wall time of `{result['baseline']}` / wall time of the method, same run; "
         "warm-up excluded"
         + (f"; {result['rounds']} rounds (every backend started anew each round), each method's median "
@@ -111,7 +117,7 @@ def plot(result: dict, path: Path) -> None:
     m, s = result["machine"], result["settings"]
     fig.suptitle(
         f"{result['profile']}: {result['prompt_set']['num_prompts']} prompts x {s['max_tokens']} tokens, "
-        f"W={s['beam_width']}, T={s['temperature']}, batch {s['batch_size']} | {m['cpu']} "
+        f"W={s['beam_width']}, T={s['temperature']}, batch {s['batch_size']}, {engine_mode(s)} | {m['cpu']} "
         f"({m['cpu_cores']} cores), vllm {m['vllm']}",
         fontsize=9,
     )

@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="run every method this many times, backends started anew each round; each method is "
                         "reported by its median round (default 1)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run vLLM's engines eager (default: vLLM's compiled mode, as a user gets it)")
     add_dtype_argument(p)
     p.add_argument("--out", type=Path, default=None, help="output folder (default: the config's out_dir)")
     args = p.parse_args(argv)
@@ -241,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         draft_model_tokens=args.draft_model_tokens or config.draft_model_tokens,
         dtype=dtype.dtype,
         dtype_reason=dtype.reason,
+        enforce_eager=args.enforce_eager,
     )
     out_dir = args.out or Path(config.out_dir)
     if args.rounds < 1:

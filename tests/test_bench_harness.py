@@ -209,7 +209,8 @@ def test_results_are_written_with_na_for_unobservable_metrics(tmp_path):
         "created": "now",
         "machine": {"cpu": "CPU", "cpu_cores": 2, "memory_gib": 24, "gpu": None, "vllm": "v",
                     "torch": "t", "transformers": "x", "vllm_dsbd": "d", "git_commit": None},
-        "settings": {"max_tokens": 4, "batch_size": 1, "beam_width": 2, "temperature": 1.0, "seed": 0},
+        "settings": {"max_tokens": 4, "batch_size": 1, "beam_width": 2, "temperature": 1.0, "seed": 0,
+                     "enforce_eager": False, "dtype": "float32"},
         "prompt_set": {"file": "f", "num_prompts": 1, "hash": harness.prompt_set_hash(prompts)},
         "baseline": "a",
         "scoring": "s",
@@ -224,6 +225,7 @@ def test_results_are_written_with_na_for_unobservable_metrics(tmp_path):
     table = (tmp_path / "table.md").read_text()
     assert "| a | 2.00 | 1.00x | 2.0 |" in table and "n/a" in table
     assert "`b` skipped: needs a draft" in table
+    assert "vLLM engines compiled, float32" in table  # the mode is named
     assert json.loads((tmp_path / "requests.jsonl").read_text())["text"] == "hi"
     assert (tmp_path / "plot.png").stat().st_size > 0
 
@@ -259,8 +261,9 @@ def test_the_harness_records_the_dtype_it_picked(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_run, "run", fake_run)
     argv = ["--config", "benchmarks/configs/quick.json", "--out", str(tmp_path), "--target", "t", "--draft", "d"]
     assert bench_run.main(argv) == 0
-    assert bench_run.main(argv + ["--dtype", "float32"]) == 0
+    assert bench_run.main(argv + ["--dtype", "float32", "--enforce-eager"]) == 0
     auto, explicit = seen
+    assert (auto.enforce_eager, explicit.enforce_eager) == (False, True)  # vLLM's default compiled mode unless asked
     assert (auto.dtype, auto.dtype_reason) == (machine_dtype().dtype, machine_dtype().reason)
     assert (explicit.dtype, explicit.dtype_reason) == ("float32", "asked for (--dtype float32)")
     assert dataclasses.asdict(explicit)["dtype"] == "float32"  # run() records asdict(settings) in the result

@@ -51,6 +51,23 @@ def test_demo_takes_a_draft_and_refuses_it_with_no_draft(tmp_path, capsys):
     assert "not allowed with argument" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, eager", [([], False), (["--enforce-eager"], True)])
+def test_the_demo_runs_vllms_default_compiled_mode_unless_asked_for_eager(tmp_path, monkeypatch, flags, eager):
+    from vllm_dsbd import demo
+
+    asked = []
+
+    def engine_settings(model, max_beam_width, dtype, enforce_eager):
+        asked.append(enforce_eager)
+        raise KeyboardInterrupt  # stop before an engine starts
+
+    monkeypatch.setattr(demo, "beam_engine_kwargs", engine_settings)
+    with pytest.raises(KeyboardInterrupt):
+        demo.run_demo(cli.build_parser().parse_args(["demo", "--model", str(tmp_path), "--dtype", "float32", *flags]))
+    assert asked == [eager]
+    assert demo.engine_kwargs("m", enforce_eager=eager)["enforce_eager"] is eager
+
+
 def test_serve_hands_every_argument_to_vllm(monkeypatch):
     """``vllm-dsbd serve ...`` reaches vLLM's server with its arguments unchanged (vLLM is not started here)."""
     from vllm_dsbd import serve

@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the DSBD rows' draft: a draft model or EAGLE-3 head folder (or hub id) with the target's "
                              "vocabulary (default: the pair's: on the default pair the shipped head)")
     drafts.add_argument("--no-draft", action="store_true", help="skip the DSBD rows")
+    d.add_argument("--enforce-eager", action="store_true",
+                   help="run the engines eager: they start in about 25 s instead of minutes (the first start "
+                        "compiles; later ones reuse vLLM's cache), and decode slower (default: vLLM's compiled mode)")
     add_dtype_argument(d)
     d.set_defaults(func=_cmd_demo)
 

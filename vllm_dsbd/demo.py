@@ -42,32 +42,43 @@ PAIR_PROMPTS = {
 }
 
 
-def engine_kwargs(model: str, dtype: str = "float32") -> dict:
+def engine_kwargs(model: str, dtype: str = "float32", enforce_eager: bool = True) -> dict:
     """LLM(...) settings that work on a 2-core CPU machine (docs/knobs.md); ``dtype``: float32 unless
-    asked (the exactness tests use it; the demo and benchmarks pass ``dtypes.machine_dtype()``'s)."""
+    asked (the exactness tests use it; the demo and benchmarks pass ``dtypes.machine_dtype()``'s).
+    ``enforce_eager``: the tests' engines start in seconds eager; the demo, ``bench_dsbd`` and the harness
+    run vLLM's default compiled mode unless their ``--enforce-eager`` asks otherwise."""
     return dict(
         model=model,
         dtype=dtype,
         max_model_len=1024,
-        enforce_eager=True,
+        enforce_eager=enforce_eager,
         seed=0,
         kv_cache_memory_bytes=1 << 30,  # the default CPU sizing fails on small machines
         block_size=32,
     )
 
 
-def beam_engine_kwargs(model: str, max_beam_width: int = 8, dtype: str = "float32") -> dict:
+def beam_engine_kwargs(model: str, max_beam_width: int = 8, dtype: str = "float32", enforce_eager: bool = True) -> dict:
     """A DSBD engine without a draft: in-engine beam search and beam sampling."""
-    return dict(engine_kwargs(model, dtype), speculative_config={
+    return dict(engine_kwargs(model, dtype, enforce_eager), speculative_config={
         "method": "dsbd", "num_speculative_tokens": 0, "beam_width": max_beam_width})
 
 
 def dsbd_engine_kwargs(model: str, draft: str, num_speculative_tokens: int = 4, max_beam_width: int = 8,
-                       dtype: str = "float32", **knobs) -> dict:
+                       dtype: str = "float32", enforce_eager: bool = True, **knobs) -> dict:
     """A DSBD engine drafting with ``draft``: γ and W are the most a request may ask for."""
     spec = {"method": "dsbd", "model": draft, "num_speculative_tokens": num_speculative_tokens,
             "beam_width": max_beam_width, **knobs}
-    return dict(engine_kwargs(model, dtype), speculative_config=spec)
+    return dict(engine_kwargs(model, dtype, enforce_eager), speculative_config=spec)
+
+
+def engine_mode(enforce_eager: bool) -> str:
+    """How the demo names an engine's mode beside its start time."""
+    if enforce_eager:
+        return "eager (--enforce-eager)"
+    return ("compiled, vLLM's default: the first start compiles for minutes, later starts reuse the graphs "
+            "vLLM caches under $VLLM_CACHE_ROOT/torch_compile_cache (default ~/.cache/vllm); "
+            "--enforce-eager starts faster and runs slower")
 
 
 def outputs_verdict(same: bool, dtype: str) -> str:
@@ -115,8 +126,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
     width, max_tokens = args.beam_width, args.max_tokens
     t0 = time.perf_counter()
-    llm = LLM(**beam_engine_kwargs(model, max(8, width), dtype.dtype))
-    print(f"\nengine start: {time.perf_counter() - t0:.1f} s  (model {model}, {dtype.dtype})")
+    eager = args.enforce_eager
+    llm = LLM(**beam_engine_kwargs(model, max(8, width), dtype.dtype, eager))
+    print(f"\nengine start: {time.perf_counter() - t0:.1f} s  (model {model}, {dtype.dtype}, {engine_mode(eager)})")
     prompts = [{"prompt": p} for p in demo_prompts]
     search = BeamSearchParams(beam_width=width, max_tokens=max_tokens)
 
@@ -146,7 +158,7 @@ def run_demo(args: argparse.Namespace) -> int:
         del llm
         t0 = time.perf_counter()
         gamma = args.num_speculative_tokens
-        llm = LLM(**dsbd_engine_kwargs(model, str(draft), gamma, max(8, width), dtype.dtype, auto_depth=True),
+        llm = LLM(**dsbd_engine_kwargs(model, str(draft), gamma, max(8, width), dtype.dtype, eager, auto_depth=True),
                   disable_log_stats=False)
         print(f"DSBD engine start: {time.perf_counter() - t0:.1f} s  (draft {draft}, auto depth γ ≤ {gamma})")
         timed(f"DSBD beam search (W={width}, auto depth γ ≤ {gamma}, lossless)", lambda: [
@@ -163,7 +175,8 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"--- {prompt!r}\n{text.strip()}")
     builtin, ours = rows[1][1], rows[2][1]
     print(
-        f"\n{len(demo_prompts)} prompts, {max_tokens} tokens each, {dtype.dtype}; wall clock on this machine. "
+        f"\n{len(demo_prompts)} prompts, {max_tokens} tokens each, {dtype.dtype}, "
+        f"{'eager' if eager else 'compiled'}; wall clock on this machine. "
         f"In-engine beam search: {builtin / ours:.1f}x faster than vLLM's built-in loop, "
         f"{outputs_verdict(rows[1][2] == rows[2][2], dtype.dtype)} at temperature 0."
     )

@@ -20,7 +20,7 @@ def test_the_demo_runs_dsbd_with_the_shipped_head_and_checks_its_outputs(engine_
     engine_pool.clear()  # the demo starts two engines of its own, one after the other
 
     out = subprocess.run([sys.executable, "-m", "vllm_dsbd.cli", "demo", "--beam-width", "2", "--max-tokens", "6",
-                          "--num-speculative-tokens", "1"],
+                          "--num-speculative-tokens", "1", "--enforce-eager"],
                          capture_output=True, text=True, timeout=600, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"(draft {models.default_head_path()}, auto depth γ ≤ 1)" in out.stdout
@@ -30,5 +30,5 @@ def test_the_demo_runs_dsbd_with_the_shipped_head_and_checks_its_outputs(engine_
     assert "Each row ran once untimed first, then 3 times (its median time above)" in out.stdout
     choice = machine_dtype()
     assert f"dtype: {choice.dtype} ({choice.reason})" in out.stdout
-    assert f"(model {target_path}, {choice.dtype})" in out.stdout
-    assert f"6 tokens each, {choice.dtype};" in out.stdout
+    assert f"(model {target_path}, {choice.dtype}, eager (--enforce-eager))" in out.stdout
+    assert f"6 tokens each, {choice.dtype}, eager;" in out.stdout
