@@ -364,12 +364,11 @@ class DSBDModelRunnerMixin:
         self._dsbd_digest = hashlib.sha256()
         return self._dsbd_digest.hexdigest()
 
-    def dsbd_decisions_digest(self) -> str:
-        """A hash of every decision since :meth:`dsbd_record_decisions` (equal on all tensor-parallel ranks)."""
-        if self._dsbd_digest is None:
-            raise RuntimeError("decisions are not being recorded: call dsbd_record_decisions (through "
-                               "LLM.collective_rpc) before the requests whose decisions you want hashed")
-        return self._dsbd_digest.hexdigest()
+    def dsbd_decisions_digest(self) -> str | None:
+        """A hash of every decision since :meth:`dsbd_record_decisions` (equal on all tensor-parallel ranks);
+        None while recording is off. (Not an error: a worker that raises in ``collective_rpc`` leaves the other
+        ranks' replies queued in vLLM's multiprocessing executor, where the next call would read them.)"""
+        return None if self._dsbd_digest is None else self._dsbd_digest.hexdigest()
 
     def dsbd_held_state(self) -> dict[str, int]:
         """What this runner holds across steps for beam groups: groups with stored draft joints, and cached

@@ -26,7 +26,7 @@ class _DecisionsDigest:
         """Turn the model runner's hash of its decisions on (off by default); through ``LLM.collective_rpc``."""
         return self.model_runner.dsbd_record_decisions()
 
-    def dsbd_decisions_digest(self) -> str:
+    def dsbd_decisions_digest(self) -> str | None:
         """The model runner's hash of its decisions; through ``LLM.collective_rpc`` one per rank."""
         return self.model_runner.dsbd_decisions_digest()
 
