@@ -59,7 +59,7 @@ from pathlib import Path
 from benchmarks.frontier import QUALITY, place, plot_frontier, score_rows
 from benchmarks.machine import machine_facts
 from benchmarks.run import load_prompts
-from benchmarks.scripts import add_prompt_args, write_result
+from benchmarks.scripts import add_enforce_eager_argument, add_prompt_args, write_result
 from vllm_dsbd import pairs
 from vllm_dsbd.config import DRAFT_DTYPES
 from vllm_dsbd.dtypes import add_dtype_argument, resolve_dtype
@@ -146,9 +146,10 @@ def run(args: argparse.Namespace) -> dict:
         head = _is_head(draft)
         if head:  # a draft model drafts in draft steps (the knob is refused)
             knobs["draft_in_step"] = args.draft_in_step != "off"
-        kwargs = dsbd_engine_kwargs(target, draft, max(max(gammas), auto_max, 1), args.width, dtype.dtype, **knobs)
+        kwargs = dsbd_engine_kwargs(target, draft, max(max(gammas), auto_max, 1), args.width, dtype.dtype,
+                                    args.enforce_eager, **knobs)
         start = time.perf_counter()
-        llm = LLM(**dict(kwargs, enforce_eager=args.enforce_eager), disable_log_stats=False)
+        llm = LLM(**kwargs, disable_log_stats=False)
         engine_start_s.append(time.perf_counter() - start)
         print(f"[dsbd] engine started in {engine_start_s[-1]:.0f} s "
               f"({'eager' if args.enforce_eager else 'compiled'})", flush=True)
@@ -395,8 +396,7 @@ def main() -> None:
     parser.add_argument("--beam-widths", default="1,2,3",
                         help="at T > 0, in-engine beam sampling at these narrower widths too, comma-separated "
                              "(empty: none): the frontier each DSBD row's quality is placed on")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="run the engine eager (default: vLLM's default compiled mode)")
+    add_enforce_eager_argument(parser)
     parser.add_argument("--out", default="benchmarks/results/dsbd")
     args = parser.parse_args()
     if not args.gammas.startswith("0"):

@@ -51,6 +51,7 @@ from benchmarks import harness
 from benchmarks.machine import machine_facts
 from benchmarks.methods import Settings
 from benchmarks.run import BenchConfig, run_methods
+from benchmarks.scripts import add_enforce_eager_argument
 from vllm_dsbd import pairs
 from vllm_dsbd.dtypes import add_dtype_argument, resolve_dtype
 
@@ -256,8 +257,7 @@ def main() -> None:
     parser.add_argument("--tau", type=float, default=0.7, help="width_threshold of dsbd-dynamic")
     parser.add_argument("--batch", default="all", help="'all' (one batch) or requests per batch")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="run vLLM's engines eager (default: vLLM's compiled mode)")
+    add_enforce_eager_argument(parser)
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per program")
     add_dtype_argument(parser)
     parser.add_argument("--out", default="benchmarks/results/humaneval")

@@ -24,6 +24,7 @@ from pathlib import Path
 from benchmarks import harness, report, scoring
 from benchmarks.machine import machine_facts
 from benchmarks.methods import BACKENDS, METHODS, Settings, skip_reason
+from benchmarks.scripts import add_enforce_eager_argument
 from vllm_dsbd import models, pairs
 from vllm_dsbd.dtypes import add_dtype_argument, resolve_dtype
 
@@ -212,8 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="run every method this many times, backends started anew each round; each method is "
                         "reported by its median round (default 1)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="run vLLM's engines eager (default: vLLM's compiled mode, as a user gets it)")
+    add_enforce_eager_argument(p)
     add_dtype_argument(p)
     p.add_argument("--out", type=Path, default=None, help="output folder (default: the config's out_dir)")
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""What the side-by-side engine scripts (``bench_beams``, ``bench_dsbd``) share: prompts and output."""
+"""What the benchmark scripts share: prompts, the engine mode flag, and output."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ def add_prompt_args(parser: argparse.ArgumentParser, max_tokens: int = 64, num_p
     parser.add_argument("--num-prompts", type=int, default=num_prompts)
     parser.add_argument("--prompts-file", default="benchmarks/prompts/prompts.json")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def add_enforce_eager_argument(parser: argparse.ArgumentParser) -> None:
+    """``--enforce-eager``: vLLM's engines run eager; without it, vLLM's default compiled mode (as users get it)."""
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run vLLM's engines eager (default: vLLM's default compiled mode)")
 
 
 def write_result(result: dict, out: Path, name: str, plot: Callable[[dict, Path], None]) -> None:
