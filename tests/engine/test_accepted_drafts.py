@@ -146,3 +146,94 @@ def test_the_draft_vocabulary_check_rejects_dropping_the_mass_outside_it(request
     _plant_outside_mass_dropped(monkeypatch)
     outs = _sample(request, "in-step-draft-vocabulary", 1500)
     assert beam_sampling_pvalue(outs, soft_permutation[0], 2, 3, 3) < 1e-3
+
+
+def _mixed_jobs() -> list:
+    """A batch of head-drafted groups of every kind, seeded, 8 tokens each: fixed width (W 2-3, γ 1-2),
+    dynamic width, T 0, memory-efficient and MJSD."""
+    from beam_checks import PROMPTS  # tests/engine/beam_checks.py
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    def params(width, gamma, temperature=1.0, seed=None, n=None, **extra):
+        return SamplingParams(n=n or width, temperature=temperature, top_k=3, max_tokens=8, ignore_eos=True,
+                              seed=seed, output_kind=RequestOutputKind.FINAL_ONLY,
+                              extra_args={"beam_width": width, "num_speculative_tokens": gamma, **extra})
+
+    jobs = [(PROMPTS[k % 3], params(2, 2, seed=k, fixed_width=True)) for k in range(4)]
+    return jobs + [(PROMPTS[1], params(3, 1, seed=7, fixed_width=True)), (PROMPTS[2], params(4, 2, seed=8)),
+                   (PROMPTS[0], params(3, 2, temperature=0.0)),
+                   (PROMPTS[2], params(3, 2, seed=9, n=1, fixed_width=True, memory_efficient=True)),
+                   (PROMPTS[1], params(2, 2, seed=10, n=1, decoder="mjsd"))]
+
+
+def _staggered(llm, jobs: list, order: list[int], steps: int) -> list:
+    """Each job's beams when the jobs are added in ``order``: the first half, then ``steps`` engine steps
+    later (those groups mid-decoding) the second half."""
+    engine, got = llm.llm_engine, {}
+    half = len(order) // 2
+    ids = [f"staggered-{k}" for k in range(len(jobs))]
+
+    def add(ks):
+        for k in ks:
+            engine.add_request(ids[k], *jobs[k])
+
+    def step():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = [c.token_ids for c in out.outputs]
+
+    try:
+        add(order[:half])
+        for _ in range(steps):
+            step()
+        assert len(got) < half, "the first groups ended before the others joined"
+        add(order[half:])
+        for _ in range(1000):
+            step()
+            if not engine.has_unfinished_requests():
+                break
+    finally:  # never leave requests behind for the tests sharing this engine
+        engine.abort_request(ids, internal=False)
+    return [got[rid] for rid in ids]
+
+
+def _batch_dependent(llm) -> list[int]:
+    """The jobs of :func:`_mixed_jobs` whose beams, run together in reverse order or joining mid-run, differ
+    from their solo runs' (drafts accepted throughout: at least 0.3 of the proposed nodes)."""
+    from beam_checks import engine_metric  # tests/engine/beam_checks.py
+
+    jobs = _mixed_jobs()
+    names = [f"vllm:spec_decode_num_{k}" for k in ("draft_tokens", "accepted_tokens")]
+    before = [engine_metric(llm, n) for n in names]
+    alone = [[c.token_ids for c in llm.generate([p], s, use_tqdm=False)[0].outputs] for p, s in jobs]
+    backwards = llm.generate([p for p, _ in jobs[::-1]], [s for _, s in jobs[::-1]], use_tqdm=False)[::-1]
+    joined = _staggered(llm, jobs, list(range(1, len(jobs), 2)) + list(range(0, len(jobs), 2)), steps=3)
+    proposed, accepted = (engine_metric(llm, n) - b for n, b in zip(names, before))
+    assert accepted >= 0.3 * proposed > 0, (accepted, proposed)
+    return [k for k, (a, b, j) in enumerate(zip(alone, backwards, joined))
+            if a != [c.token_ids for c in b.outputs] or a != j]
+
+
+def test_a_groups_beams_do_not_depend_on_the_groups_sharing_its_steps(soft_permutation_in_step_llm, monkeypatch):
+    """Every group drafting inside the verify step draws its next forest in one batched head forward with the
+    others (several groups per drawing, asserted); each group's draws use its own seed. Run alone, together
+    in reverse order, or joining while the others are mid-decoding, each group returns the same beams."""
+    from vllm_dsbd.engine import forest_draft
+
+    drawn, draw = [], forest_draft.draw
+    monkeypatch.setattr(forest_draft, "draw", lambda runner, jobs: (drawn.append(len(jobs)), draw(runner, jobs)))
+    assert _batch_dependent(soft_permutation_in_step_llm) == []
+    assert max(drawn) >= 4, drawn
+
+
+def test_the_batch_check_rejects_draft_draws_shared_across_groups(soft_permutation_in_step_llm, monkeypatch):
+    """The same check on an engine whose draft layers draw from one stream shared by every group (a group's
+    draws then depend on the groups drawn before it)."""
+    import torch
+
+    from vllm_dsbd.engine import spec_step
+
+    shared = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(spec_step, "generator", lambda *args, **kwargs: shared)
+    assert _batch_dependent(soft_permutation_in_step_llm) != []

@@ -18,6 +18,12 @@ shallow iteration never sends the group back to draft steps. The head runs on *f
 - each layer's W nodes are drawn by ``spec_step.draft_layer`` with the seed of the next iteration's draft
   step (``step + 1``, the same layer numbers), and the joints go to the runner's ``DraftStore``.
 
+Every group drafting in the step does so together (:func:`draw`): the runner gathers one :class:`Job` per
+group (:func:`job` after a verification, :func:`job_after_beam_step` after a beam step), and each layer of
+all of them is one head forward over every group's forest rows (forest attention keeps each row to its own
+context and ancestors). A group's draws use its own seed, so they do not depend on which groups share the
+step.
+
 An MJSD group (one beam, K = W draft beams, ``engine.mjsd_step``) is drafted the same way after its
 verification: its root's score is 0 (MJSD scores a draft path by its draft log-probs alone) and the store
 keeps what its verification reads of each layer (``mjsd_step.kept_draft``), as its draft steps do.
@@ -33,7 +39,7 @@ prompt.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,12 +69,24 @@ def num_layers(draft_next: int, max_tokens_left: int, num_passed: int, has_beams
     return max(0, min(draft_next, left - 1)) if has_beams else 0
 
 
-def draft(runner, vs: VerifyStep, decision: VerifyDecision) -> tuple[list[DraftDecision], int]:
-    """The next iteration's draft layers for one verified group (see the module docstring), and the head rows
-    computed drawing them."""
+@dataclass
+class Job:
+    """One group's drafting in this step: the next iteration's ``layers`` draft layers from its new beams
+    (their chain, their last token, their score); :func:`draw` fills ``decisions`` and ``rows``."""
+
+    group: GroupDecoding
+    layers: int
+    beams: list[tuple[Chain, int, float]]
+    mjsd: bool = False  # an MJSD group's layers (``mjsd_step.kept_draft``)
+    decisions: list[DraftDecision] = field(default_factory=list)
+    rows: int = 0  # the head rows computed for this group, every layer's
+
+
+def job(runner, vs: VerifyStep, decision: VerifyDecision) -> Job | None:
+    """The next iteration's drafting for one verified group (see the module docstring); None: no layer."""
     layers = num_layers(vs.draft_next, vs.max_tokens_left, decision.num_passed, bool(decision.beams))
     if layers == 0:
-        return [], 0
+        return None
     batch = runner.input_batch
     depth, root_len = decision.num_passed, vs.seq_len  # the roots' last tokens are at root_len - 1
     mjsd = vs.mjsd_tau is not None
@@ -81,16 +99,16 @@ def draft(runner, vs: VerifyStep, decision: VerifyDecision) -> tuple[list[DraftD
             verified = [int(batch.token_ids_cpu[index, root_len - 1])] + vs.path_tokens(path, depth)
             chains[path] = Chain(index, root_len - 1, verified)
         beams.append((chains[path], c.token, 0.0 if mjsd else c.score))  # MJSD scores a draft path by log Q
-    return _draw(runner, vs, layers, beams, mjsd)
+    return Job(vs, layers, beams, mjsd)
 
 
-def draft_after_beam_step(runner, step: GroupStep, decision: GroupDecision) -> tuple[list[DraftDecision], int]:
-    """The next iteration's draft layers for one group's beam step (``GroupStep.draft_next``): the chains are
-    the parent beams, from where their head KV ends to their last token (which the target just computed);
-    and the head rows computed drawing them."""
+def job_after_beam_step(runner, step: GroupStep, decision: GroupDecision) -> Job | None:
+    """The next iteration's drafting for one group's beam step (``GroupStep.draft_next``): the chains are the
+    parent beams, from where their head KV ends to their last token (which the target just computed); None:
+    no layer."""
     layers = num_layers(step.draft_next or 0, step.max_tokens_left, 0, bool(decision.beams))
     if layers == 0:
-        return [], 0
+        return None
     batch = runner.input_batch
     chains: dict[int, Chain] = {}
     beams = []
@@ -100,23 +118,34 @@ def draft_after_beam_step(runner, step: GroupStep, decision: GroupDecision) -> t
             start = min(step.draft_from[c.parent], step.seq_len - 1)
             chains[c.parent] = Chain(index, start, [int(t) for t in batch.token_ids_cpu[index, start:step.seq_len]])
         beams.append((chains[c.parent], c.token, c.score))
-    return _draw(runner, step, layers, beams)
+    return Job(step, layers, beams)
 
 
-def _draw(runner, group: GroupDecoding, layers: int, beams: list[tuple[Chain, int, float]],
-          mjsd: bool = False) -> tuple[list[DraftDecision], int]:
-    """Draft layers 1..``layers`` from new beams (their chain, their last token, their score), as the next
-    iteration's draft steps would draw them (``mjsd``: an MJSD group's, ``mjsd_step.kept_draft``); and the
-    head rows computed (every layer's call)."""
-    batch = runner.input_batch
-    table = batch.block_table[runner._dsbd_features_gid]
+@dataclass
+class _Part:
+    """One job's rows in one head call: its new nodes' rows (``last``), their layer slots and scores."""
+
+    job: Job
+    last: list[int]
+    slots: list[int]
+    scores: list[float]
+    first: int  # position of every new beam's last token (layer k's nodes sit at first + k)
+    start: int  # the job's first row in the call
+
+
+def draw(runner, jobs: list[Job]) -> None:
+    """Draft layers 1..``job.layers`` of every job, as the next iteration's draft steps would draw them: each
+    layer of every job in **one** head forward over all their forest rows (groups attend to their own
+    contexts and ancestors only; each group's draws use its own seed, so they do not depend on which groups
+    share the step), then each group's layer drawn from its rows' logits."""
+    table = runner.input_batch.block_table[runner._dsbd_features_gid]
     size = table.block_size
 
     def slot(blocks, pos: int) -> int:
         return int(blocks[pos // size]) * size + pos % size if pos >= 0 else -1
 
     rows = forest_attention.ForestRows([], [], [], forest_attention.ScratchKV(), slots=[])
-    tokens, positions, feature_slots, last_rows, chain_rows = [], [], [], [], {}
+    tokens, positions, feature_slots, parts = [], [], [], []
 
     def add(token: int, pos: int, blocks, context: int, paged: bool, ancestors: list[int]) -> int:
         tokens.append(token)
@@ -128,65 +157,98 @@ def _draw(runner, group: GroupDecoding, layers: int, beams: list[tuple[Chain, in
         rows.slots.append(slot(blocks, pos) if paged else -1)
         return len(tokens) - 1
 
-    for chain, token, _ in beams:
-        if id(chain) not in chain_rows:  # one block table per chain: forest attention reads its context once
-            blocks, ids = table.block_table.cpu[chain.index], []
-            for j, t in enumerate(chain.tokens):
-                ids.append(add(t, chain.start + j, blocks, chain.start, True, list(ids)))
-            chain_rows[id(chain)] = blocks, ids
-        blocks, ids = chain_rows[id(chain)]
-        last_rows.append(add(token, chain.start + len(chain.tokens), blocks, chain.start, False, list(ids)))
-    first = positions[last_rows[0]]  # every new beam's last token sits at the same position
+    for job in jobs:
+        start, chain_rows, last = len(tokens), {}, []
+        for chain, token, _ in job.beams:
+            if id(chain) not in chain_rows:  # one block table per chain: forest attention reads its context once
+                blocks, ids = table.block_table.cpu[chain.index], []
+                for j, t in enumerate(chain.tokens):
+                    ids.append(add(t, chain.start + j, blocks, chain.start, True, list(ids)))
+                chain_rows[id(chain)] = blocks, ids
+            blocks, ids = chain_rows[id(chain)]
+            last.append(add(token, chain.start + len(chain.tokens), blocks, chain.start, False, list(ids)))
+        parts.append(_Part(job, last, list(range(len(last))), [score for _, _, score in job.beams],
+                           positions[last[0]], start))
     features = runner._dsbd_features.read(torch.tensor(feature_slots, device=runner._dsbd_features.features.device))
-    scores = [score for _, _, score in beams]
-    slots = list(range(len(last_rows)))
-    # At T > 0 a head's draw needs only its draft vocabulary's columns: no scatter of its logits into all V.
-    order = runner._dsbd_head_order if group.temperature > 0 else None
-    vocab = runner.model_config.get_vocab_size() if order is not None else None
+    layer = 1
+    while parts:
+        normed, own = forest_attention.head_forward(
+            runner.drafter.model, runner._dsbd_forest_layers, runner.vllm_config,
+            torch.tensor(tokens, device=features.device), torch.tensor(positions, device=features.device),
+            features, rows)
+        ends = [p.start for p in parts[1:]] + [len(tokens)]
+        for part, end in zip(parts, ends):
+            part.job.rows += end - part.start
+        growing = []
+        for part, logits in zip(parts, _logits(runner, normed, parts)):
+            grow = _draw_layer(runner, part, layer, logits)
+            if grow and layer < part.job.layers:
+                growing.append((part, grow))
+        # the next layer: each growing node of this one, fed the head's own output at its parent
+        parents, next_rows, next_parts = [], forest_attention.ForestRows([], [], [], rows.scratch), []
+        tokens, positions = [], []
+        for part, grow in growing:
+            row_of_slot = {s: part.last[r] for r, s in enumerate(part.slots)}  # a node's parent: its row here
+            chosen = part.job.decisions[-1]
+            start = len(tokens)
+            for j in grow:
+                r = row_of_slot[chosen.parents[j]]
+                parents.append(r)
+                tokens.append(chosen.tokens[j])
+                positions.append(part.first + layer)
+                next_rows.block_tables.append(rows.block_tables[r])
+                next_rows.context_lens.append(rows.context_lens[r])
+                next_rows.ancestors.append(rows.ancestors[r] + [rows.row_ids[r]])
+            next_parts.append(_Part(part.job, list(range(start, len(tokens))), grow,
+                                    [chosen.scores[j] for j in grow], part.first, start))
+        if parents:
+            features = own[torch.tensor(parents, device=own.device)]
+        rows, parts, layer = next_rows, next_parts, layer + 1
+
+
+def _logits(runner, normed: torch.Tensor, parts: list[_Part]) -> list[torch.Tensor]:
+    """Each part's head logits at its new nodes' rows: over the head's draft vocabulary ([n, K],
+    ``eagle3.draft_vocabulary_logits``) for groups at T > 0, whose draw needs only those columns (no scatter
+    into all V), else over all V; one call per kind."""
+    head = runner.drafter.model
+    out: list[torch.Tensor | None] = [None] * len(parts)
+    for columns in (True, False):
+        picked = [k for k, p in enumerate(parts) if _on_columns(runner, p.job.group) == columns]
+        if not picked:
+            continue
+        index = torch.tensor([r for k in picked for r in parts[k].last], device=normed.device)
+        if columns:
+            logits = eagle3.draft_vocabulary_logits(head, normed[index], runner._dsbd_head_order)
+        else:
+            logits = head.compute_logits(normed[index])
+        for k, chunk in zip(picked, logits.split([len(parts[k].last) for k in picked])):
+            out[k] = chunk
+    return out
+
+
+def _on_columns(runner, group: GroupDecoding) -> bool:
+    """Whether a group's draw runs on the head's draft-vocabulary columns: at T > 0, with a head whose draft
+    vocabulary is a small part of V (``runner._dsbd_head_order``)."""
+    return group.temperature > 0 and runner._dsbd_head_order is not None
+
+
+def _draw_layer(runner, part: _Part, layer: int, logits: torch.Tensor) -> list[int]:
+    """One job's draft layer ``layer`` from its nodes' logits (kept in the runner's ``DraftStore``, appended
+    to ``job.decisions``); returns the slots of its nodes that do not finish."""
+    group = part.job.group
     # every decoding field of the group, as the next iteration's draft steps would carry it
     decoding = {f.name: getattr(group, f.name) for f in dataclasses.fields(GroupDecoding)}
     decoding.update(step=group.step + 1, tails=())
-    out, num_rows = [], 0
-    for layer in range(1, layers + 1):
-        num_rows += len(tokens)
-        logits, own = _forward(runner, tokens, positions, features, rows, last_rows, order)
-        ds = DraftStep(**decoding, layer=layer, req_ids=tuple(str(s) for s in slots), slots=tuple(slots),
-                       scores=tuple(scores), seq_len=first + layer, mjsd=mjsd)
-        support = runner._dsbd_support if order is not None else runner._draft_support(logits)
-        row_of = {str(s): r for r, s in enumerate(slots)}
-        chosen, joint = spec_step.draft_layer(logits, row_of, ds, support, vocab)
-        joint, support = mjsd_step.kept_draft(logits, row_of, ds, joint, support, runner.model_config.get_vocab_size())
-        if joint is not None:
-            runner._dsbd_drafts.put(group.group_id, group.step + 1, layer, joint, support)
-        out.append(chosen)
-        grow = [j for j, t in enumerate(chosen.tokens)
-                if not token_finishes(t, group.eos_token_id, group.ignore_eos, group.stop_token_ids)]
-        if layer == layers or not grow:
-            break
-        row_of_slot = {s: last_rows[r] for r, s in enumerate(slots)}  # a node's parent: its row in this call
-        parents = [row_of_slot[chosen.parents[j]] for j in grow]
-        tokens = [chosen.tokens[j] for j in grow]
-        positions = [first + layer] * len(grow)
-        features = own[torch.tensor(parents, device=own.device)]
-        rows = forest_attention.ForestRows(
-            [rows.block_tables[r] for r in parents], [rows.context_lens[r] for r in parents],
-            [rows.ancestors[r] + [rows.row_ids[r]] for r in parents], rows.scratch)
-        last_rows = list(range(len(grow)))
-        scores, slots = [chosen.scores[j] for j in grow], grow
-    return out, num_rows
-
-
-def _forward(runner, tokens: list[int], positions: list[int], features: torch.Tensor,
-             rows: forest_attention.ForestRows, logit_rows: list[int],
-             order: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The head's logits at ``logit_rows`` ([len, V], or [len, K] over its draft vocabulary when ``order`` is
-    given: ``eagle3.draft_vocabulary_logits``) and its own features at every forest row."""
-    head = runner.drafter.model
-    device = features.device
-    normed, own = forest_attention.head_forward(
-        head, runner._dsbd_forest_layers, runner.vllm_config, torch.tensor(tokens, device=device),
-        torch.tensor(positions, device=device), features, rows)
-    normed = normed[torch.tensor(logit_rows, device=device)]
-    if order is not None:
-        return eagle3.draft_vocabulary_logits(head, normed, order), own
-    return head.compute_logits(normed), own
+    ds = DraftStep(**decoding, layer=layer, req_ids=tuple(str(s) for s in part.slots), slots=tuple(part.slots),
+                   scores=tuple(part.scores), seq_len=part.first + layer, mjsd=part.job.mjsd)
+    columns = _on_columns(runner, group)
+    vocab = runner.model_config.get_vocab_size()
+    support = runner._dsbd_support if columns else runner._draft_support(logits)
+    row_of = {str(s): r for r, s in enumerate(part.slots)}
+    chosen, joint = spec_step.draft_layer(logits, row_of, ds, support, vocab if columns else None)
+    joint, support = mjsd_step.kept_draft(logits, row_of, ds, joint, support, vocab)
+    if joint is not None:
+        runner._dsbd_drafts.put(group.group_id, group.step + 1, layer, joint, support)
+    part.job.decisions.append(chosen)
+    return [j for j, t in enumerate(chosen.tokens)
+            if not token_finishes(t, group.eos_token_id, group.ignore_eos, group.stop_token_ids)]

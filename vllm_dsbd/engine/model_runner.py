@@ -272,25 +272,22 @@ class DSBDModelRunnerMixin:
             result.decisions = beam_step.decide(logits, last_row, plan.groups, self._dsbd_stops)
             share = (time.perf_counter() - deciding) / max(len(plan.groups), 1)  # decided together
             result.timings = {step.group_id: GroupTiming(share) for step in plan.groups}
+            drafting = []  # the next iterations' forests, in this step (engine.forest_draft)
             for step in plan.groups:
                 decision = result.decisions[step.group_id]
                 tokens = beam_step.row_tokens(decision, len(step.req_ids))
                 for rid, token in zip(step.req_ids, tokens):
                     _set_row(sampled, discard, req_index[rid], None if token is None else [token])
-                if step.draft_next:  # the next iteration's forest, in this step (engine.forest_draft)
-                    drafting = time.perf_counter()
-                    timing = result.timings[step.group_id]
-                    decision.next_layers, timing.draft_rows = forest_draft.draft_after_beam_step(self, step, decision)
-                    timing.draft_seconds = time.perf_counter() - drafting
+                if step.draft_next:
+                    drafting.append((decision, forest_draft.job_after_beam_step(self, step, decision)))
             self._verify(logits, plan, req_index, start, count, result)
             for vs in plan.verify_steps:
-                decision, timing = result.verify_decisions[vs.group_id], result.timings[vs.group_id]
-                if vs.draft_next:  # the next iteration's forest, in this step (engine.forest_draft)
-                    drafting = time.perf_counter()
-                    decision.next_layers, timing.draft_rows = forest_draft.draft(self, vs, decision)
-                    timing.draft_seconds = time.perf_counter() - drafting
+                decision = result.verify_decisions[vs.group_id]
+                if vs.draft_next:
+                    drafting.append((decision, forest_draft.job(self, vs, decision)))
                 for rid, tokens in zip(vs.path_req_ids, _path_row_tokens(vs, decision)):
                     _set_row(sampled, discard, req_index[rid], tokens)
+            self._draw_forests(drafting, result)
         for rid in plan.discard_req_ids:
             i = req_index.get(rid)
             if i is not None:
@@ -301,6 +298,22 @@ class DSBDModelRunnerMixin:
         self._dsbd_profile.decided(time.perf_counter() - decide_start,
                                    sum(t.draft_seconds for t in result.timings.values()))
         return sampler_output
+
+    def _draw_forests(self, drafting: list, result: StepResult) -> None:
+        """The next iteration's draft layers of every (decision, ``forest_draft.Job`` or None) in one batched
+        drawing; each group's timing gets its head rows and the drawing's time in proportion to them (what
+        auto_depth's per-row cost of in-step drafting reads)."""
+        jobs = [job for _, job in drafting if job is not None]
+        if not jobs:
+            return
+        began = time.perf_counter()
+        forest_draft.draw(self, jobs)
+        per_row = (time.perf_counter() - began) / max(sum(job.rows for job in jobs), 1)  # drawn together
+        for decision, job in drafting:
+            if job is not None:
+                decision.next_layers = job.decisions
+                timing = result.timings[decision.group_id]
+                timing.draft_rows, timing.draft_seconds = job.rows, per_row * job.rows
 
     def _verify(self, logits, plan: StepPlan, req_index, start, count, result: StepResult) -> None:
         """Every verify step's decision: the DSBD groups in one batched pass (``engine.verify_step``), each MJSD
