@@ -14,7 +14,8 @@ sampling noise: a difference within the interval is what an exact algorithm show
     python -m benchmarks.paired_quality --pairs 1024 --out benchmarks/results/paired-quality
 
 Runs with disjoint seeds (``--seed``) pool into one result: ``--pool DIR DIR ... --out DIR`` recomputes the
-statistics over every record (each part's settings must match but for seeds and pairs).
+statistics over every record (each part's settings must match but for seeds and pairs). The result is written
+after every chunk (``"complete": false`` until the last), so a run stopped early keeps its pairs and pools.
 """
 
 from __future__ import annotations
@@ -94,6 +95,22 @@ def run(args: argparse.Namespace) -> dict:
     jobs = [(p, args.seed + k) for k in range(math.ceil(args.pairs / len(prompts))) for p in prompts][:args.pairs]
     records, secs = [], {"beam": 0.0, "dsbd": 0.0}
     counters = dict.fromkeys(COUNTERS, 0.0)
+
+    def result(complete: bool) -> dict:
+        return {
+            "benchmark": "paired_quality",
+            "settings": {"pair": args.pair, "target": target, "draft": Path(draft).name, "width": args.width,
+                         "gamma": args.gamma, "temperature": args.temperature, "max_tokens": args.max_tokens,
+                         "pairs": len(records), "chunk": args.chunk, "seed": args.seed, "ignore_eos": True,
+                         "draft_in_step": args.draft_in_step,
+                         "draft_temperature_scale": args.draft_temperature_scale,
+                         **dtype.as_dict(), "enforce_eager": True},
+            "machine": machine_facts(),
+            "complete": complete,
+            "summary": summarize(records, counters, secs, args.detect, quiet=not complete),
+            "records": records,
+        }
+
     start_all = time.perf_counter()
     for c, first in enumerate(range(0, len(jobs), args.chunk)):
         chunk = jobs[first:first + args.chunk]
@@ -117,23 +134,16 @@ def run(args: argparse.Namespace) -> dict:
         best = paired_stats([r["dsbd_best"] - r["beam_best"] for r in records], args.detect) if done > 1 else None
         print(f"[paired] {done}/{len(jobs)} pairs, {time.perf_counter() - start_all:.0f} s"
               + (f", best beam diff {best['mean']:+.4f} ± {best['se']:.4f}" if best else ""), flush=True)
-    summary = summarize(records, counters, secs, args.detect)
+        if done < len(jobs):
+            # A checkpoint: a run stopped early keeps its pairs, and the part pools like a finished run.
+            write_result(result(False), Path(args.out), "paired_quality", plot)
     llm.llm_engine.engine_core.shutdown()
-    return {
-        "benchmark": "paired_quality",
-        "settings": {"pair": args.pair, "target": target, "draft": Path(draft).name, "width": args.width,
-                     "gamma": args.gamma, "temperature": args.temperature, "max_tokens": args.max_tokens,
-                     "pairs": len(records), "chunk": args.chunk, "seed": args.seed, "ignore_eos": True,
-                     "draft_in_step": args.draft_in_step, "draft_temperature_scale": args.draft_temperature_scale,
-                     **dtype.as_dict(), "enforce_eager": True},
-        "machine": machine_facts(),
-        "summary": summary,
-        "records": records,
-    }
+    return result(True)
 
 
-def summarize(records: list[dict], counters: dict, secs: dict, detect: float) -> dict:
-    """The paired statistics of ``records`` (printed too), the DSBD requests' counters and the seconds."""
+def summarize(records: list[dict], counters: dict, secs: dict, detect: float, quiet: bool = False) -> dict:
+    """The paired statistics of ``records`` (printed unless ``quiet``), the DSBD requests' counters and the
+    seconds."""
     acceptance = counters["accepted_tokens"] / max(counters["draft_tokens"], 1)
     summary = {
         "best_beam": paired_stats([r["dsbd_best"] - r["beam_best"] for r in records], detect),
@@ -146,6 +156,8 @@ def summarize(records: list[dict], counters: dict, secs: dict, detect: float) ->
         "counters": counters,
         "seconds": secs,
     }
+    if quiet:
+        return summary
     for key in ("best_beam", "mean_beam"):
         s = summary[key]
         print(f"[paired] {key}: DSBD - beam sampling = {s['mean']:+.4f} ± {s['se']:.4f} nats/token "
