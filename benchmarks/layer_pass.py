@@ -3,7 +3,7 @@
 Measures before building (the exact modes that pass more layers): a DSBD engine (default pair with the
 shipped head drafting in-step, or ``--draft``) decodes chat prompts at T 0 and at T 1 with fixed width, and
 every verification the runner makes is analysed as it happens (in-process engine: the runner's
-``verify_step.verify_groups`` and ``spec_step.draft_layer`` are wrapped; decisions are unchanged):
+``verify_step.verify_groups`` and ``spec_step.draft_layers`` are wrapped; decisions are unchanged):
 
 - **today**: the layers the engine passed (T 0: a layer passes only if each of the target's W new beams is
   a draft node; fixed width: W of W drafts accepted);
@@ -56,18 +56,20 @@ class Recorder:
         self.top_m: dict[tuple[str, int], dict[str, set]] = {}  # (group, iteration) -> M name -> layer-1 nodes
         self.tally: dict[str, dict] = defaultdict(lambda: defaultdict(float))
 
-    def draft_layer(self, real):
-        def wrapped(logits, row_of, ds, support=None, vocab_size=None):
-            out = real(logits, row_of, ds, support, vocab_size)
-            if ds.temperature == 0 and ds.layer == 1 and not ds.mjsd:
-                import dataclasses
+    def draft_layers(self, real):
+        def wrapped(logits, rows, steps, support=None, vocab_size=None):
+            out = real(logits, rows, steps, support, vocab_size)
+            for group_rows, ds in zip(rows, steps):
+                if ds.temperature == 0 and ds.layer == 1 and not ds.mjsd:
+                    import dataclasses
 
-                sets = {}
-                for name, extra in EXTRA.items():
-                    m = ds.beam_width + (extra if extra is not None else ds.beam_width)
-                    wide, _ = real(logits, row_of, dataclasses.replace(ds, beam_width=m), support, vocab_size)
-                    sets[name] = set(zip(wide.parents, wide.tokens))
-                self.top_m[(ds.group_id, ds.step)] = sets
+                    sets = {}
+                    for name, extra in EXTRA.items():
+                        m = ds.beam_width + (extra if extra is not None else ds.beam_width)
+                        ((wide, _),) = real(logits, [group_rows], [dataclasses.replace(ds, beam_width=m)], support,
+                                            vocab_size)
+                        sets[name] = set(zip(wide.parents, wide.tokens))
+                    self.top_m[(ds.group_id, ds.step)] = sets
             return out
         return wrapped
 
@@ -199,7 +201,7 @@ def run(args) -> dict:
     draft = args.draft or (str(SHIPPED_HEAD) if args.pair == "default" else str(pair.draft))
     head = _is_head(draft)
     recorder = Recorder(args.width)
-    spec_step.draft_layer = recorder.draft_layer(spec_step.draft_layer)
+    spec_step.draft_layers = recorder.draft_layers(spec_step.draft_layers)
     verify_step.verify_groups = recorder.verify_groups(verify_step.verify_groups, verify_step._node_logits)
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = load_prompts(Path(args.prompts_file), args.num_prompts, tokenizer)

@@ -159,16 +159,15 @@ def plant_draft_joint_at_another_temperature(monkeypatch, scale: float = 1.0) ->
 
     from vllm_dsbd.engine import spec_step
 
-    original = spec_step.draft_layer
+    original = spec_step.draft_layers
 
-    def planted(logits, row_of, ds, support=None, vocab_size=None):
-        decision, joint = original(logits, row_of, ds, support, vocab_size)
-        if joint is not None:
-            _, joint = original(logits, row_of, dataclasses.replace(ds, draft_temperature_scale=scale), support,
-                                vocab_size)
-        return decision, joint
+    def planted(logits, rows, steps, support=None, vocab_size=None):
+        drawn = original(logits, rows, steps, support, vocab_size)
+        other = original(logits, rows, [dataclasses.replace(ds, draft_temperature_scale=scale) for ds in steps],
+                         support, vocab_size)
+        return [(decision, joint if joint is None else wrong) for (decision, joint), (_, wrong) in zip(drawn, other)]
 
-    monkeypatch.setattr(spec_step, "draft_layer", planted)
+    monkeypatch.setattr(spec_step, "draft_layers", planted)
 
 
 def plant_beam_steps_on_the_draft_layers_streams(monkeypatch) -> None:

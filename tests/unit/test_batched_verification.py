@@ -145,7 +145,65 @@ def test_beam_steps_and_draft_layers_make_no_tensor_on_an_implicit_device():
     with _NoImplicitDevice() as mode:
         beam_step.decide(logits, {"a": 0, "b": 1, "c": 2, "d": 3}, groups)
         spec_step.draft_layer(logits, {"c": 2, "d": 3}, draft)
+        spec_step.draft_layers(logits, [[0, 1], [2, 3]], [dataclasses.replace(draft, temperature=0.0), draft])
     assert mode.calls == []
+
+
+def _draft_steps(seed: int) -> tuple[torch.Tensor, list, list]:
+    """A step's draft layers of 9 groups of every kind (T 0 and T > 0, widths 2 and 4, top-k / top-p, EOS,
+    scaled draft temperatures, some slots empty) over one [rows, 40] logits tensor: (logits, rows, steps)."""
+    from vllm_dsbd.engine.protocol import DraftStep
+
+    rng = random.Random(seed)
+    steps, rows, next_row = [], [], 0
+    for g in range(9):
+        width = rng.choice([2, 4])
+        slots = tuple(sorted(rng.sample(range(width), rng.randint(1, width))))
+        steps.append(DraftStep(
+            group_id=f"g{g}", beam_width=width, temperature=rng.choice([0.0, 0.7, 1.0]),
+            top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.9]), length_penalty=rng.choice([1.0, 0.5]),
+            ignore_eos=rng.random() < 0.5, eos_token_id=3, seed=rng.randint(0, 99), step=rng.randint(0, 5),
+            layer=rng.randint(1, 3), req_ids=tuple(f"g{g}-{s}" for s in slots), slots=slots,
+            scores=tuple(-rng.random() * 3 for _ in slots), seq_len=rng.randint(4, 9),
+            draft_temperature_scale=rng.choice([1.0, 0.75])))
+        rows.append(list(range(next_row, next_row + len(slots))))
+        next_row += len(slots)
+    logits = torch.randn((next_row, 40), generator=torch.Generator().manual_seed(seed)) * 2
+    return logits, rows, steps
+
+
+def _same_draft(a, b) -> bool:
+    """The same nodes, scores and joint (a restricted group's joint to the rounding of its renormalisation,
+    whose path ``restrict_joint`` chooses per pass)."""
+    (da, qa), (db, qb) = a, b
+    same_q = (qa is None and qb is None) or (qa is not None and qb is not None
+                                             and torch.allclose(qa, qb, rtol=1e-6, atol=1e-9))
+    return (da.parents, da.tokens) == (db.parents, db.tokens) and da.scores == pytest.approx(db.scores) and same_q
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_draft_layers_decided_together_decide_as_each_alone(seed):
+    """``spec_step.draft_layers`` over a step's groups of every kind gives each group what it gets alone (its
+    draws from its own generator), in the groups' order or reversed."""
+    from vllm_dsbd.engine import spec_step
+
+    logits, rows, steps = _draft_steps(seed)
+    alone = [spec_step.draft_layers(logits, [r], [ds])[0] for r, ds in zip(rows, steps)]
+    together = spec_step.draft_layers(logits, rows, steps)
+    backwards = spec_step.draft_layers(logits, rows[::-1], steps[::-1])[::-1]
+    assert all(_same_draft(a, t) and _same_draft(a, b) for a, t, b in zip(alone, together, backwards))
+
+
+def test_draft_layers_sharing_one_generator_across_groups_are_caught(monkeypatch):
+    """The planted bug the test above must reject: the groups' draws from one generator."""
+    from vllm_dsbd.engine import spec_step
+
+    logits, rows, steps = _draft_steps(0)
+    alone = [spec_step.draft_layers(logits, [r], [ds])[0] for r, ds in zip(rows, steps)]
+    shared = spec_step.generator(1, 0, 1000)
+    monkeypatch.setattr(spec_step, "generator", lambda *a, **k: shared)
+    together = spec_step.draft_layers(logits, rows, steps)
+    assert not all(_same_draft(a, t) for a, t in zip(alone, together))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

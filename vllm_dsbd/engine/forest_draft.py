@@ -15,14 +15,14 @@ shallow iteration never sends the group back to draft steps. The head runs on *f
   ancestors are its chain's rows;
 - layer k: each draft node of layer k - 1 that does not finish, fed the head's own output at its parent,
   its ancestors the rows above it;
-- each layer's W nodes are drawn by ``spec_step.draft_layer`` with the seed of the next iteration's draft
+- each layer's W nodes are drawn by ``spec_step.draft_layers`` with the seed of the next iteration's draft
   step (``step + 1``, the same layer numbers), and the joints go to the runner's ``DraftStore``.
 
 Every group drafting in the step does so together (:func:`draw`): the runner gathers one :class:`Job` per
 group (:func:`job` after a verification, :func:`job_after_beam_step` after a beam step), and each layer of
 all of them is one head forward over every group's forest rows (forest attention keeps each row to its own
-context and ancestors). A group's draws use its own seed, so they do not depend on which groups share the
-step.
+context and ancestors), then one ``spec_step.draft_layers`` call per kind. A group's draws use its own seed,
+so they do not depend on which groups share the step.
 
 An MJSD group (one beam, K = W draft beams, ``engine.mjsd_step``) is drafted the same way after its
 verification: its root's score is 0 (MJSD scores a draft path by its draft log-probs alone) and the store
@@ -179,11 +179,8 @@ def draw(runner, jobs: list[Job]) -> None:
         ends = [p.start for p in parts[1:]] + [len(tokens)]
         for part, end in zip(parts, ends):
             part.job.rows += end - part.start
-        growing = []
-        for part, logits in zip(parts, _logits(runner, normed, parts)):
-            grow = _draw_layer(runner, part, layer, logits)
-            if grow and layer < part.job.layers:
-                growing.append((part, grow))
+        growing = [(part, grow) for part, grow in zip(parts, _draw_layer(runner, normed, parts, layer))
+                   if grow and layer < part.job.layers]
         # the next layer: each growing node of this one, fed the head's own output at its parent
         parents, next_rows, next_parts = [], forest_attention.ForestRows([], [], [], rows.scratch), []
         tokens, positions = [], []
@@ -206,12 +203,14 @@ def draw(runner, jobs: list[Job]) -> None:
         rows, parts, layer = next_rows, next_parts, layer + 1
 
 
-def _logits(runner, normed: torch.Tensor, parts: list[_Part]) -> list[torch.Tensor]:
-    """Each part's head logits at its new nodes' rows: over the head's draft vocabulary ([n, K],
-    ``eagle3.draft_vocabulary_logits``) for groups at T > 0, whose draw needs only those columns (no scatter
-    into all V), else over all V; one call per kind."""
-    head = runner.drafter.model
-    out: list[torch.Tensor | None] = [None] * len(parts)
+def _draw_layer(runner, normed: torch.Tensor, parts: list[_Part], layer: int) -> list[list[int]]:
+    """Draft layer ``layer`` of every part from the head's output at its new nodes' rows: one head-logits
+    call and one ``spec_step.draft_layers`` call per kind (:func:`_on_columns`: at T > 0 over the head's
+    draft vocabulary, [n, K] from ``eagle3.draft_vocabulary_logits``, no scatter into all V; else over all
+    V); each layer's joint kept in the runner's ``DraftStore`` and its decision appended to
+    ``job.decisions``. Returns, per part, the slots of its nodes that do not finish."""
+    head, vocab = runner.drafter.model, runner.model_config.get_vocab_size()
+    grows: list[list[int]] = [[] for _ in parts]
     for columns in (True, False):
         picked = [k for k, p in enumerate(parts) if _on_columns(runner, p.job.group) == columns]
         if not picked:
@@ -221,34 +220,36 @@ def _logits(runner, normed: torch.Tensor, parts: list[_Part]) -> list[torch.Tens
             logits = eagle3.draft_vocabulary_logits(head, normed[index], runner._dsbd_head_order)
         else:
             logits = head.compute_logits(normed[index])
-        for k, chunk in zip(picked, logits.split([len(parts[k].last) for k in picked])):
-            out[k] = chunk
-    return out
+        support = runner._dsbd_support if columns else runner._draft_support(logits)
+        starts = [0]
+        for k in picked:
+            starts.append(starts[-1] + len(parts[k].last))
+        steps = [_draft_step(parts[k], layer) for k in picked]
+        rows = [list(range(start, start + len(parts[k].last))) for k, start in zip(picked, starts)]
+        drawn = spec_step.draft_layers(logits, rows, steps, support, vocab if columns else None)
+        for k, ds, part_rows, (chosen, joint) in zip(picked, steps, rows, drawn):
+            group = parts[k].job.group
+            row_of = {r_id: r for r_id, r in zip(ds.req_ids, part_rows)}
+            joint, kept_support = mjsd_step.kept_draft(logits, row_of, ds, joint, support, vocab)
+            if joint is not None:
+                runner._dsbd_drafts.put(group.group_id, group.step + 1, layer, joint, kept_support)
+            parts[k].job.decisions.append(chosen)
+            grows[k] = [j for j, t in enumerate(chosen.tokens)
+                        if not token_finishes(t, group.eos_token_id, group.ignore_eos, group.stop_token_ids)]
+    return grows
+
+
+def _draft_step(part: _Part, layer: int) -> DraftStep:
+    """The draft step that would draw this part's layer ``layer`` in the next iteration: the group's decoding
+    fields, the next iteration's seed (``step + 1``), the part's slots and scores."""
+    group = part.job.group
+    decoding = {f.name: getattr(group, f.name) for f in dataclasses.fields(GroupDecoding)}
+    decoding.update(step=group.step + 1, tails=())
+    return DraftStep(**decoding, layer=layer, req_ids=tuple(str(s) for s in part.slots), slots=tuple(part.slots),
+                     scores=tuple(part.scores), seq_len=part.first + layer, mjsd=part.job.mjsd)
 
 
 def _on_columns(runner, group: GroupDecoding) -> bool:
     """Whether a group's draw runs on the head's draft-vocabulary columns: at T > 0, with a head whose draft
     vocabulary is a small part of V (``runner._dsbd_head_order``)."""
     return group.temperature > 0 and runner._dsbd_head_order is not None
-
-
-def _draw_layer(runner, part: _Part, layer: int, logits: torch.Tensor) -> list[int]:
-    """One job's draft layer ``layer`` from its nodes' logits (kept in the runner's ``DraftStore``, appended
-    to ``job.decisions``); returns the slots of its nodes that do not finish."""
-    group = part.job.group
-    # every decoding field of the group, as the next iteration's draft steps would carry it
-    decoding = {f.name: getattr(group, f.name) for f in dataclasses.fields(GroupDecoding)}
-    decoding.update(step=group.step + 1, tails=())
-    ds = DraftStep(**decoding, layer=layer, req_ids=tuple(str(s) for s in part.slots), slots=tuple(part.slots),
-                   scores=tuple(part.scores), seq_len=part.first + layer, mjsd=part.job.mjsd)
-    columns = _on_columns(runner, group)
-    vocab = runner.model_config.get_vocab_size()
-    support = runner._dsbd_support if columns else runner._draft_support(logits)
-    row_of = {str(s): r for r, s in enumerate(part.slots)}
-    chosen, joint = spec_step.draft_layer(logits, row_of, ds, support, vocab if columns else None)
-    joint, support = mjsd_step.kept_draft(logits, row_of, ds, joint, support, vocab)
-    if joint is not None:
-        runner._dsbd_drafts.put(group.group_id, group.step + 1, layer, joint, support)
-    part.job.decisions.append(chosen)
-    return [j for j, t in enumerate(chosen.tokens)
-            if not token_finishes(t, group.eos_token_id, group.ignore_eos, group.stop_token_ids)]

@@ -1,7 +1,7 @@
 """The runner's side of MJSD (``algorithm.mjsd``): one draft path verified by its joint likelihood.
 
 An MJSD group is a beam group with one beam and ``K = beam_width`` draft
-slots. Its draft layers are DSBD's (``spec_step.draft_layer``: K draft beams
+slots. Its draft layers are DSBD's (``spec_step.draft_layers``: K draft beams
 drawn from the joint over (slot, token), or the draft's beam search at
 ``T = 0``); the runner keeps what gives each layer's per-node draft
 distribution ``log q(. | node)``, the one each node's token was drawn from
@@ -45,7 +45,7 @@ def greedy_node_logprobs(logits: Tensor, row_of: Mapping[str, int], ds: DraftSte
 def kept_draft(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, joint: Tensor | None,
                support: Tensor | None, vocab_size: int) -> tuple[Tensor | None, Tensor | None]:
     """What the runner keeps of a draft layer until its verification (``DraftStore``), and over which
-    support: the joint the layer drew from (``T > 0``; ``spec_step.draft_layer``'s, over ``support``'s columns
+    support: the joint the layer drew from (``T > 0``; ``spec_step.draft_layers``'s, over ``support``'s columns
     when it has one; an MJSD verification reads its nodes' conditionals from it, over all ``vocab_size``
     tokens), or at ``T = 0`` an MJSD group's :func:`greedy_node_logprobs` (a DSBD group's: nothing). The same
     in draft steps and in the verify step before them (``engine.forest_draft``)."""

@@ -127,7 +127,7 @@ class DSBDModelRunnerMixin:
             model.compute_logits = self._dsbd_profile.timed_forward(model.compute_logits)
 
     def _draft_support(self, logits):
-        """The draft's proposable tokens for ``spec_step.draft_layer`` (None: all), checked against the draft's
+        """The draft's proposable tokens for ``spec_step.draft_layers`` (None: all), checked against the draft's
         logits on the first draft layer of the engine."""
         support = self._dsbd_support
         if support is not None and not self._dsbd_support_checked:
@@ -257,13 +257,14 @@ class DSBDModelRunnerMixin:
         discard = self.discard_request_mask.np
         result = StepResult({})
 
-        if plan.draft:
-            for ds in plan.draft_steps:
-                support = self._draft_support(logits)
-                decision, joint = spec_step.draft_layer(logits, last_row, ds, support)
-                joint, support = mjsd_step.kept_draft(logits, last_row, ds, joint, support, logits.shape[-1])
+        if plan.draft:  # every group's draft layer decided together
+            support = self._draft_support(logits)
+            drawn = spec_step.draft_layers(logits, [[last_row[r] for r in ds.req_ids] for ds in plan.draft_steps],
+                                           plan.draft_steps, support)
+            for ds, (decision, joint) in zip(plan.draft_steps, drawn):
+                joint, kept = mjsd_step.kept_draft(logits, last_row, ds, joint, support, logits.shape[-1])
                 if joint is not None:
-                    self._dsbd_drafts.put(ds.group_id, ds.step, ds.layer, joint, support)
+                    self._dsbd_drafts.put(ds.group_id, ds.step, ds.layer, joint, kept)
                 result.draft_decisions[ds.group_id] = decision
                 for rid in ds.req_ids:  # parent nodes keep their tokens; children are forks
                     discard[req_index[rid]] = True

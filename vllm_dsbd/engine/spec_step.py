@@ -75,49 +75,100 @@ class DraftStore:
 
 def draft_layer(logits: Tensor, row_of: Mapping[str, int], ds: DraftStep, support: Tensor | None = None,
                 vocab_size: int | None = None) -> tuple[DraftDecision, Tensor | None]:
-    """The W nodes of draft layer ``ds.layer`` and, for ``T > 0``, the joint ``Q`` they were drawn from (the
-    draft's logits tempered by ``T * ds.draft_temperature_scale``). At T 0: the W best of beam score + the
-    draft's log-probs at temperature ``ds.draft_temperature_scale``, by vLLM's beam-search rule.
+    """One group's draft layer: :func:`draft_layers` with the rows of ``ds.req_ids`` in ``row_of``."""
+    return draft_layers(logits, [[row_of[r] for r in ds.req_ids]], [ds], support, vocab_size)[0]
 
-    logits: [num_rows, V] draft logits of this step's rows. support: the ascending token ids the draft can
-    propose (every other logit is -inf: an EAGLE-3 head's draft vocabulary, ``draft_vocab_size``), or None
-    for all V. At T > 0 the draw runs over those columns only: it draws exactly what sampling over all V
-    does (the other tokens have probability 0, and the column order keeps the token order that ties and
-    top-k follow), at a fraction of the cost. vocab_size: V, given when ``logits`` hold only the support's
-    columns ([num_rows, K], T > 0 only: a head's ``eagle3.draft_vocabulary_logits``). Returns Q as [W*V]
-    float32, or with a support as [W*K] over its columns (0 on every other token; ``verify_forest``'s
-    ``draft_support`` verifies on those columns, :func:`expand_joint` makes the [W*V] one).
+
+def draft_layers(logits: Tensor, rows: Sequence[Sequence[int]], steps: Sequence[DraftStep],
+                 support: Tensor | None = None, vocab_size: int | None = None
+                 ) -> list[tuple[DraftDecision, Tensor | None]]:
+    """Every group's draft layer ``ds.layer`` in one pass per kind: the W nodes of each and, for ``T > 0``,
+    the joint ``Q`` they were drawn from (the draft's logits tempered by ``T * ds.draft_temperature_scale``).
+    At T 0: the W best of beam score + the draft's log-probs at temperature ``ds.draft_temperature_scale``,
+    by vLLM's beam-search rule. Groups of the same kind and width are decided together; each group's draws
+    come from its own generator (seed, iteration, layer), so they do not depend on the groups beside it (a
+    top-k / top-p group's joint only to the rounding of its renormalisation, whose path ``restrict_joint``
+    chooses per pass).
+
+    logits: [num_rows, V] draft logits of this step's rows; rows[g]: the rows of ``steps[g]``'s parent nodes
+    (its ``slots``, in order). support: the ascending token ids the draft can propose (every other logit is
+    -inf: an EAGLE-3 head's draft vocabulary, ``draft_vocab_size``), or None for all V. At T > 0 the draw
+    runs over those columns only: it draws exactly what sampling over all V does (the other tokens have
+    probability 0, and the column order keeps the token order that ties and top-k follow), at a fraction of
+    the cost. vocab_size: V, given when ``logits`` hold only the support's columns ([num_rows, K], T > 0
+    only: a head's ``eagle3.draft_vocabulary_logits``). Each Q is [W*V] float32, or with a support [W*K]
+    over its columns (0 on every other token; ``verify_forest``'s ``draft_support`` verifies on those
+    columns, :func:`expand_joint` makes the [W*V] one).
     """
-    if vocab_size is not None and (support is None or ds.temperature <= 0):
+    if vocab_size is not None and (support is None or any(ds.temperature <= 0 for ds in steps)):
         raise ValueError("draft_layer: logits over the support's columns only need a support and T > 0")
-    width, device = ds.beam_width, logits.device  # every tensor below on the logits' device
-    rows = torch.tensor([row_of[r] for r in ds.req_ids], device=device)
-    slots = torch.tensor(ds.slots, device=device)
-    parent_logits = logits.index_select(0, rows).float()  # [P, V] (or [P, K])
-    vocab = parent_logits.shape[-1] if vocab_size is None else vocab_size
-    valid = torch.zeros((1, width), dtype=torch.bool, device=device)
-    valid[0, slots] = True
-    scores = torch.full((1, width), float("-inf"), dtype=torch.float64, device=device)
-    scores[0, slots] = torch.tensor(ds.scores, dtype=torch.float64, device=device)
-    if ds.temperature > 0:
-        columns = parent_logits if support is None or vocab_size is not None else parent_logits[:, support]
-        lp = torch.zeros((width, columns.shape[-1]), device=device)
-        lp[slots] = tempered_logprobs(columns, ds.temperature * ds.draft_temperature_scale)
-        q = joint_probs(scores, valid, lp[None], torch.tensor([ds.top_k], device=device),
-                        torch.tensor([ds.top_p], device=device))  # [1, W*K]
-        draws = sample_joint(q, width, generator(ds.seed, ds.step, ds.layer, device))[0]
-        parents, columns_drawn = draws // lp.shape[-1], draws % lp.shape[-1]
-        new_scores = scores[0, parents] + lp[parents, columns_drawn].double()
-        tokens = columns_drawn if support is None else support[columns_drawn]  # token ids
-        return DraftDecision(ds.group_id, parents.tolist(), tokens.tolist(), new_scores.tolist()), q[0]
-    lp = torch.zeros((width, vocab), device=device)
-    lp[slots] = tempered_logprobs(parent_logits, ds.draft_temperature_scale)  # T 0: the scale ranks the draft
-    step = beam_search_step(lp[None], scores, valid, torch.tensor([ds.seq_len], device=device), width,
-                            ds.eos_token_id, torch.tensor([ds.ignore_eos], device=device),
-                            torch.tensor([ds.length_penalty], dtype=torch.float64, device=device), ds.stop_token_ids)
-    keep = step.valid[0]
-    return DraftDecision(ds.group_id, step.parents[0][keep].tolist(), step.tokens[0][keep].tolist(),
-                         step.cum_logprobs[0][keep].tolist()), None
+    buckets: dict[tuple, list[int]] = {}
+    for g, ds in enumerate(steps):
+        # restricted groups apart: restricting any row renormalises every row of the pass (rounding)
+        key = (True, ds.beam_width, ds.top_k > 0 or ds.top_p < 1) if ds.temperature > 0 else (
+            False, ds.beam_width, ds.eos_token_id, tuple(ds.stop_token_ids))
+        buckets.setdefault(key, []).append(g)
+    out: list = [None] * len(steps)
+    for key, members in buckets.items():
+        draw = _sampled_layers if key[0] else _searched_layers
+        for g, result in zip(members, draw(logits, [rows[g] for g in members], [steps[g] for g in members],
+                                           support, vocab_size)):
+            out[g] = result
+    return out
+
+
+def _parents(logits: Tensor, rows: Sequence[Sequence[int]], steps: Sequence[DraftStep], temperatures: list[float],
+             columns: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The groups' parent nodes as [G, W] slots: (valid, scores float64, log-probs [G, W, C] of the logits'
+    columns (``columns``: those of a support only) tempered by each group's temperature)."""
+    device, width = logits.device, steps[0].beam_width  # every tensor below on the logits' device
+    flat = [r for group in rows for r in group]
+    parent_logits = logits.index_select(0, torch.tensor(flat, device=device)).float()  # [P, C]
+    if columns is not None:
+        parent_logits = parent_logits[:, columns]
+    group_of = torch.tensor([g for g, group in enumerate(rows) for _ in group], device=device)
+    slot_of = torch.tensor([s for ds in steps for s in ds.slots], device=device)
+    per_row = torch.tensor([temperatures[g] for g, group in enumerate(rows) for _ in group], device=device)
+    valid = torch.zeros((len(steps), width), dtype=torch.bool, device=device)
+    valid[group_of, slot_of] = True
+    scores = torch.full((len(steps), width), float("-inf"), dtype=torch.float64, device=device)
+    scores[group_of, slot_of] = torch.tensor([x for ds in steps for x in ds.scores], dtype=torch.float64,
+                                             device=device)
+    lp = torch.zeros((len(steps), width, parent_logits.shape[-1]), device=device)
+    lp[group_of, slot_of] = tempered_logprobs(parent_logits, per_row[:, None])
+    return valid, scores, lp
+
+
+def _sampled_layers(logits, rows, steps, support, vocab_size) -> list[tuple[DraftDecision, Tensor]]:
+    """T > 0, groups of one width: W nodes each drawn i.i.d. from the draft joint (with replacement)."""
+    device, width = logits.device, steps[0].beam_width
+    columns = support if support is not None and vocab_size is None else None
+    valid, scores, lp = _parents(logits, rows, steps, [ds.temperature * ds.draft_temperature_scale for ds in steps],
+                                 columns)
+    q = joint_probs(scores, valid, lp, torch.tensor([ds.top_k for ds in steps], device=device),
+                    torch.tensor([ds.top_p for ds in steps], device=device))  # [G, W*C]
+    draws = sample_joint(q, width, [generator(ds.seed, ds.step, ds.layer, device) for ds in steps])  # [G, W]
+    parents, columns_drawn = draws // lp.shape[-1], draws % lp.shape[-1]
+    new_scores = scores.gather(1, parents) + lp[torch.arange(len(steps), device=device)[:, None], parents,
+                                                columns_drawn].double()
+    tokens = columns_drawn if support is None else support[columns_drawn]  # token ids
+    parents, tokens, new_scores = parents.tolist(), tokens.tolist(), new_scores.tolist()  # one transfer each
+    return [(DraftDecision(ds.group_id, parents[g], tokens[g], new_scores[g]), q[g]) for g, ds in enumerate(steps)]
+
+
+def _searched_layers(logits, rows, steps, support, vocab_size) -> list[tuple[DraftDecision, None]]:
+    """T 0, groups of one width, EOS and stop tokens: the W best candidates each by vLLM's beam-search rule,
+    the draft ranked at its ``draft_temperature_scale``."""
+    device, width, first = logits.device, steps[0].beam_width, steps[0]
+    valid, scores, lp = _parents(logits, rows, steps, [ds.draft_temperature_scale for ds in steps], None)
+    step = beam_search_step(lp, scores, valid, torch.tensor([ds.seq_len for ds in steps], device=device), width,
+                            first.eos_token_id, torch.tensor([ds.ignore_eos for ds in steps], device=device),
+                            torch.tensor([ds.length_penalty for ds in steps], dtype=torch.float64, device=device),
+                            first.stop_token_ids)
+    keep, parents, tokens, cums = (t.tolist() for t in (step.valid, step.parents, step.tokens, step.cum_logprobs))
+    return [(DraftDecision(ds.group_id, [p for p, k in zip(parents[g], keep[g]) if k],
+                           [t for t, k in zip(tokens[g], keep[g]) if k], [c for c, k in zip(cums[g], keep[g]) if k]),
+             None) for g, ds in enumerate(steps)]
 
 
 def expand_joint(joint: Tensor, support: Tensor, width: int, vocab_size: int) -> Tensor:
