@@ -14,8 +14,9 @@ sampling noise: a difference within the interval is what an exact algorithm show
     python -m benchmarks.paired_quality --pairs 1024 --out benchmarks/results/paired-quality
 
 Runs with disjoint seeds (``--seed``) pool into one result: ``--pool DIR DIR ... --out DIR`` recomputes the
-statistics over every record (each part's settings must match but for seeds and pairs). The result is written
-after every chunk (``"complete": false`` until the last), so a run stopped early keeps its pairs and pools.
+statistics over every record (each part's settings must match but for seeds, pairs and the worker's cores,
+``--omp-bind``). The result is written after every chunk (``"complete": false`` until the last), so a run
+stopped early keeps its pairs and pools.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def _normal_cdf(x: float) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if args.omp_bind:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
@@ -104,7 +107,8 @@ def run(args: argparse.Namespace) -> dict:
                          "pairs": len(records), "chunk": args.chunk, "seed": args.seed, "ignore_eos": True,
                          "draft_in_step": args.draft_in_step,
                          "draft_temperature_scale": args.draft_temperature_scale,
-                         **dtype.as_dict(), "enforce_eager": True},
+                         **dtype.as_dict(), "enforce_eager": True,
+                         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")},
             "machine": machine_facts(),
             "complete": complete,
             "summary": summarize(records, counters, secs, args.detect, quiet=not complete),
@@ -173,7 +177,7 @@ def pool(parts: list[Path], detect: float) -> dict:
     import json
 
     results = [json.loads((p / "paired_quality.json").read_text()) for p in parts]
-    varying = {"pairs", "seed"}
+    varying = {"pairs", "seed", "omp_threads_bind"}  # the worker's cores change its speed, not its draws' law
     first = {k: v for k, v in results[0]["settings"].items() if k not in varying}
     for part, r in zip(parts, results):
         other = {k: v for k, v in r["settings"].items() if k not in varying}
@@ -202,6 +206,7 @@ def pool(parts: list[Path], detect: float) -> dict:
     return {"benchmark": "paired_quality",
             "settings": {**results[0]["settings"], "pairs": len(records),
                          "seed": [r["settings"]["seed"] for r in results],
+                         "omp_threads_bind": [r["settings"].get("omp_threads_bind", "auto") for r in results],
                          "pooled_from": [p.name for p in parts]},
             "machine": results[0]["machine"],
             "summary": summarize(records, counters, secs, detect),
@@ -260,6 +265,9 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/paired-quality")
     parser.add_argument("--pool", nargs="+", type=Path, default=None, metavar="DIR",
                         help="pool earlier runs' results (disjoint seeds) into --out instead of running")
+    parser.add_argument("--omp-bind", default=None,
+                        help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. 0-1: the worker on both cores of a "
+                             "2-core machine, faster for large batches; default: the environment's, else vLLM's auto)")
     add_dtype_argument(parser)
     args = parser.parse_args()
     result = pool(args.pool, args.detect) if args.pool else run(args)
