@@ -10,6 +10,10 @@ group (median of ``--repeats``), and each mode's per-group time at G against its
 no engine: the decision part of a verify step, not its forward.
 
     python -m benchmarks.bench_decisions --out benchmarks/results/decisions
+
+``--profile G ...`` also runs PyTorch's profiler over the batched pass at G groups a step (every recorded step,
+each mode and γ) and records where its time goes, by operator (``profile``: each operator's share of the
+pass's own time, its calls, the largest first).
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ def time_batch(batch: list[tuple], repeats: int) -> dict:
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     cpu_memory.keep_freed_memory()  # as the CPU worker does: decision buffers reuse the heap
-    rows = []
+    rows, profiles = [], []
     for name, mode in MODES.items():
         for gamma in args.gammas:
             requests = record(mode, gamma, max(BATCHES), args.vocab)
@@ -93,11 +97,35 @@ def run(args) -> dict:
                 rows.append(row)
                 print(f"{name:14s} γ {gamma} G {g:2d}: one by one {row['one_by_one_ms']:7.2f} ms, together "
                       f"{row['together_ms']:7.2f} ms ({row['together_ms_per_group']:.2f} ms a group)", flush=True)
+            for g in args.profile:
+                print(f"{name:14s} γ {gamma} G {g:2d}, the batched pass by operator:", flush=True)
+                profiles.append({"mode": name, "gamma": gamma, "groups": g,
+                                 "operators": profile([[requests[r][s] for r in range(g)] for s in range(steps)])})
     for row in rows:
         base = next(r for r in rows if r["mode"] == row["mode"] and r["gamma"] == row["gamma"] and r["groups"] == 1)
         row["per_group_vs_batch_1"] = row["together_ms_per_group"] / base["together_ms_per_group"]
     return {"machine": machine_facts(), "threads": args.threads, "vocab": args.vocab, "beam_width": 4,
-            "repeats": args.repeats, "device": "cpu", "rows": rows}
+            "repeats": args.repeats, "device": "cpu", "rows": rows, "profile": profiles}
+
+
+def profile(steps: list[list[tuple]], top: int = 12) -> list[dict]:
+    """Where the batched pass spends its time over ``steps`` (each a step's verifications): per operator, its
+    share of the pass's own CPU time and its calls, the ``top`` largest."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    packed = [toy_engine.packed_verifications(batch) for batch in steps]
+    for logits, inputs in packed:  # warm: the first pass allocates
+        verify_groups(logits, inputs)
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for logits, inputs in packed:
+            verify_groups(logits, inputs)
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in ops)
+    for e in ops[:top]:
+        print(f"    {e.key:28s} {100 * e.self_cpu_time_total / total:5.1f} % ({e.count} calls)", flush=True)
+    return [{"operator": e.key, "share": e.self_cpu_time_total / total, "calls": e.count,
+             "ms_per_step": e.self_cpu_time_total / 1000 / len(steps)} for e in ops[:top]]
 
 
 def plot(result: dict, path: Path) -> None:
@@ -129,6 +157,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=49152, help="vocabulary size of the toy models")
     parser.add_argument("--repeats", type=int, default=5, help="timings per step (the median is kept)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the CPU worker runs on one)")
+    parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="G",
+                        help="also profile the batched pass at these groups a step, by operator (default: none)")
     parser.add_argument("--out", default="benchmarks/results/decisions", help="folder for the JSON and PNG")
     args = parser.parse_args()
     write_result(run(args), Path(args.out), "decisions", plot)
