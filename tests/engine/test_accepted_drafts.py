@@ -6,7 +6,9 @@ permutation of the current one, logit scale 0.5: within the top 3 the permutatio
 the mass, the two others share the rest), and the head predicts the permutation's token from the feature
 of the position before, as EAGLE-3 lays out its inputs, at the same scale (tests/eagle3_heads.py). Its
 first candidate is the target's, its others are not: drafts are accepted about four times in ten, layers
-pass, fail after acceptances and end in residual draws beside accepted nodes. Each check asserts that
+pass, fail after acceptances and end in residual draws beside accepted nodes. The draft-model mode drafts
+with a draft *model* in draft steps instead (the same bigram at a sharper logit scale), the path of a pair
+such as Qwen2.5-Coder 1.5B with its 0.5B draft. Each check asserts that
 acceptance, compares the returned beam sets with exact beam sampling enumerated over Hugging Face logits
 (chi-square), and has a planted twin in the engine path the same check rejects: the runner verifying
 against the draft joint at four times the temperature the layer drew its nodes from.
@@ -28,7 +30,9 @@ MODES = {  # (engine fixture, auto_depth)
     "draft-steps": ("soft_permutation_llm", False),
     "in-step-auto-depth": ("soft_permutation_in_step_llm", True),
     "in-step-draft-vocabulary": ("soft_permutation_draft_vocab_llm", False),
+    "draft-model": ("soft_permutation_draft_model_llm", False),
 }
+DRAFT_MODEL_SCALE = 1.0  # the draft model's logit scale: the target's first candidate, more sharply than the target
 
 
 @pytest.fixture(scope="session")
@@ -68,6 +72,21 @@ def soft_permutation_draft_vocab_llm(engine_pool, soft_permutation, soft_permuta
     """The soft target (γ <= 2), the reduced-vocabulary head drafting inside the verify step."""
     return engine_pool.get("soft_permutation_draft_vocab_llm", lambda: start_spec_llm(
         soft_permutation[0], soft_permutation_draft_vocab_head, {}, gamma=2, knobs={"draft_in_step": True}))
+
+
+@pytest.fixture
+def soft_permutation_draft_model_llm(engine_pool, soft_permutation, tiny_pair, tmp_path_factory):
+    """The soft target (γ <= 2) with a draft *model* in draft steps, as a pair like the Qwen pair runs: the same
+    bigram made from the tiny target at a sharper logit scale, so it proposes the target's first candidate
+    more often than the target draws it and its drafts are both accepted and rejected."""
+    from eagle3_heads import write_permutation_target  # tests/eagle3_heads.py
+
+    def start():
+        root = tmp_path_factory.mktemp("soft-permutation-draft-model")
+        draft = write_permutation_target(tiny_pair.target, root / "draft", logit_scale=DRAFT_MODEL_SCALE)
+        return start_spec_llm(soft_permutation[0], draft, {}, gamma=2)
+
+    return engine_pool.get("soft_permutation_draft_model_llm", start)
 
 
 @pytest.fixture
@@ -114,7 +133,7 @@ def test_a_head_whose_drafts_are_accepted_gives_beam_samplings_distribution(requ
     assert beam_sampling_pvalue(outs, soft_permutation[0], 2, 3, 3) > 1e-3
 
 
-@pytest.mark.parametrize("mode", ["in-step", "in-step-auto-depth"])
+@pytest.mark.parametrize("mode", ["in-step", "in-step-auto-depth", "draft-model"])
 def test_the_accepted_head_check_rejects_verification_against_the_wrong_draft_joint(request, soft_permutation,
                                                                                    mode, monkeypatch):
     """The same check on an engine whose runner keeps the draft joint at 4x the temperature the layer drew
