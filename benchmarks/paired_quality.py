@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> dict:
                               ignore_eos=True, logprobs=0, extra_args=extra)
 
     jobs = [(p, args.seed + k) for k in range(math.ceil(args.pairs / len(prompts))) for p in prompts][:args.pairs]
-    records, secs = [], {"beam": 0.0, "dsbd": 0.0}
+    records, secs, kept = [], {"beam": 0.0, "dsbd": 0.0}, []
     counters = dict.fromkeys(COUNTERS, 0.0)
 
     def result(complete: bool) -> dict:
@@ -131,6 +131,9 @@ def run(args: argparse.Namespace) -> dict:
                 for k in COUNTERS:
                     counters[k] += after[k] - before[k]
         for (p, seed), b, d in zip(chunk, outs["beam"], outs["dsbd"]):
+            if len(kept) < args.rescore:  # (prompt, per method its beams' tokens and reported log-prob per token)
+                kept.append((list(p.token_ids), {name: [(list(c.token_ids), _sum_logprobs(c) / max(len(c.token_ids), 1))
+                                                        for c in o.outputs] for name, o in (("beam", b), ("dsbd", d))}))
             (bb, bm), (db, dm) = beam_quality(b), beam_quality(d)
             records.append({"prompt": p.id, "seed": seed, "beam_best": bb, "beam_mean": bm,
                             "dsbd_best": db, "dsbd_mean": dm})
@@ -142,7 +145,30 @@ def run(args: argparse.Namespace) -> dict:
             # A checkpoint: a run stopped early keeps its pairs, and the part pools like a finished run.
             write_result(result(False), Path(args.out), "paired_quality", plot)
     llm.llm_engine.engine_core.shutdown()
-    return result(True)
+    final = result(True)
+    if kept:
+        final["rescored"] = rescore(target, kept)
+    return final
+
+
+def rescore(target: str, kept: list) -> dict:
+    """The measure checked: each kept pair's beams scored again by teacher forcing through the target in
+    transformers (float32, ``benchmarks.scoring``), per method the largest and the mean difference between the
+    engine's reported mean log-prob per token and that score (a bias in what either method reports would show
+    here, not in the paired difference)."""
+    from benchmarks.scoring import load_scorer, score_outputs
+
+    model = load_scorer(target)
+    gaps: dict[str, list[float]] = {"beam": [], "dsbd": []}
+    for prompt, methods in kept:
+        for name, beams in methods.items():
+            scored = score_outputs(model, prompt, [tokens for tokens, _ in beams])
+            gaps[name] += [reported - scored[tuple(tokens)] for tokens, reported in beams if tokens]
+    out = {name: {"beams": len(g), "max_abs_diff": max(map(abs, g)), "mean_diff": _mean(g)} for name, g in gaps.items()}
+    for name, r in out.items():
+        print(f"[paired] rescored {name}: {r['beams']} beams, reported - transformers: mean {r['mean_diff']:+.5f}, "
+              f"largest {r['max_abs_diff']:.5f} nats per token", flush=True)
+    return out
 
 
 def summarize(records: list[dict], counters: dict, secs: dict, detect: float, quiet: bool = False) -> dict:
@@ -265,6 +291,9 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/paired-quality")
     parser.add_argument("--pool", nargs="+", type=Path, default=None, metavar="DIR",
                         help="pool earlier runs' results (disjoint seeds) into --out instead of running")
+    parser.add_argument("--rescore", type=int, default=0, metavar="K",
+                        help="after the run, score the first K pairs' beams again in transformers (float32) and "
+                             "record how far the engine's reported log-probs are from those scores")
     parser.add_argument("--omp-bind", default=None,
                         help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. 0-1: the worker on both cores of a "
                              "2-core machine, faster for large batches; default: the environment's, else vLLM's auto)")

@@ -68,3 +68,18 @@ def test_parts_that_differ_in_a_method_setting_or_repeat_pairs_do_not_pool(tmp_p
     again = _part(tmp_path, "again", 1, [0.2])  # seed 1 of prompt "p" is already in part a
     with pytest.raises(SystemExit, match="repeats"):
         paired_quality.pool([a, again], detect=0.02)
+
+
+def test_rescore_measures_how_far_reported_logprobs_are_from_transformers(tiny_pair):
+    from benchmarks.scoring import load_scorer, mean_logprob
+
+    model = load_scorer(str(tiny_pair.target))
+    prompt, long, short = [5, 17, 3], [9, 12, 40, 2], [9, 12]
+    exact_long, exact_short = mean_logprob(model, prompt, long), mean_logprob(model, prompt, short)
+    # beam sampling reports what transformers computes; "dsbd" reports one beam 0.05 too high, one 0.01 too low
+    kept = [(prompt, {"beam": [(long, exact_long)], "dsbd": [(long, exact_long + 0.05), (short, exact_short - 0.01)]})]
+    out = paired_quality.rescore(str(tiny_pair.target), kept)
+    assert out["beam"]["beams"] == 1 and out["beam"]["max_abs_diff"] < 1e-5
+    assert out["dsbd"]["beams"] == 2
+    assert out["dsbd"]["max_abs_diff"] == pytest.approx(0.05, abs=1e-5)
+    assert out["dsbd"]["mean_diff"] == pytest.approx(0.02, abs=1e-5)
