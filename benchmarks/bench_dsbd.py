@@ -59,7 +59,7 @@ from pathlib import Path
 from benchmarks.frontier import QUALITY, place, plot_frontier, score_rows
 from benchmarks.machine import machine_facts
 from benchmarks.run import load_prompts
-from benchmarks.scripts import add_enforce_eager_argument, add_prompt_args, write_result
+from benchmarks.scripts import add_enforce_eager_argument, add_omp_bind_argument, add_prompt_args, apply_omp_bind, write_result
 from vllm_dsbd import pairs
 from vllm_dsbd.config import DRAFT_DTYPES
 from vllm_dsbd.dtypes import add_dtype_argument, resolve_dtype
@@ -112,8 +112,7 @@ def _rows(gammas: list[int], temperature: float, auto: int, in_step: list[bool],
 
 def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if args.omp_bind:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
+    omp_bind = apply_omp_bind(args)
     from transformers import AutoTokenizer
     from vllm import LLM
 
@@ -180,7 +179,7 @@ def run(args: argparse.Namespace) -> dict:
                      "ignore_eos": True, "seed": args.seed, **dtype.as_dict(), "draft_dtype": args.draft_dtype,
                      "block_size": 32, "compiled": not args.enforce_eager, "engine_start_s": engine_start_s,
                      "beam_widths": beam_widths, "quality": QUALITY,
-                     "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")},
+                     "omp_threads_bind": omp_bind},
         "machine": machine_facts(),
         "results": rows,
     }
@@ -387,9 +386,7 @@ def main() -> None:
                         help="the knob draft_temperature_scale (the draft samples at T x this), comma-separated: "
                              "every DSBD row at T > 0 once per value, in turn; 'draft': the knob not sent, the "
                              "engine's value (what the draft's dsbd.json recommends, else 1)")
-    parser.add_argument("--omp-bind", default=None,
-                        help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. 0-1: the worker on both cores of a "
-                             "2-core machine; default: the environment's, else vLLM's auto)")
+    add_omp_bind_argument(parser)
     add_dtype_argument(parser)
     parser.add_argument("--draft-dtype", default="auto", choices=DRAFT_DTYPES,
                         help="the draft's dtype (DSBD knob draft_dtype; auto: the target's)")

@@ -30,7 +30,7 @@ from pathlib import Path
 from benchmarks.bench_dsbd import COUNTERS, _counters, _is_head
 from benchmarks.machine import machine_facts
 from benchmarks.run import load_prompts
-from benchmarks.scripts import write_result
+from benchmarks.scripts import add_omp_bind_argument, apply_omp_bind, write_result
 from vllm_dsbd import pairs
 from vllm_dsbd.dtypes import add_dtype_argument, resolve_dtype
 
@@ -69,8 +69,7 @@ def _normal_cdf(x: float) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if args.omp_bind:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
+    omp_bind = apply_omp_bind(args)
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
@@ -108,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
                          "draft_in_step": args.draft_in_step,
                          "draft_temperature_scale": args.draft_temperature_scale,
                          **dtype.as_dict(), "enforce_eager": True,
-                         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")},
+                         "omp_threads_bind": omp_bind},
             "machine": machine_facts(),
             "complete": complete,
             "summary": summarize(records, counters, secs, args.detect, quiet=not complete),
@@ -132,8 +131,9 @@ def run(args: argparse.Namespace) -> dict:
                     counters[k] += after[k] - before[k]
         for (p, seed), b, d in zip(chunk, outs["beam"], outs["dsbd"]):
             if len(kept) < args.rescore:  # (prompt, per method its beams' tokens and reported log-prob per token)
-                kept.append((list(p.token_ids), {name: [(list(c.token_ids), _sum_logprobs(c) / max(len(c.token_ids), 1))
-                                                        for c in o.outputs] for name, o in (("beam", b), ("dsbd", d))}))
+                beams = {name: [(list(c.token_ids), _sum_logprobs(c) / max(len(c.token_ids), 1)) for c in o.outputs]
+                         for name, o in (("beam", b), ("dsbd", d))}
+                kept.append((list(p.token_ids), beams))
             (bb, bm), (db, dm) = beam_quality(b), beam_quality(d)
             records.append({"prompt": p.id, "seed": seed, "beam_best": bb, "beam_mean": bm,
                             "dsbd_best": db, "dsbd_mean": dm})
@@ -160,9 +160,9 @@ def rescore(target: str, kept: list) -> dict:
 
     model = load_scorer(target)
     gaps: dict[str, list[float]] = {"beam": [], "dsbd": []}
-    for prompt, methods in kept:
+    for prompt, methods in kept:  # both methods' beams in one call: the prompt's cache computed once
+        scored = score_outputs(model, prompt, [tokens for beams in methods.values() for tokens, _ in beams])
         for name, beams in methods.items():
-            scored = score_outputs(model, prompt, [tokens for tokens, _ in beams])
             gaps[name] += [reported - scored[tuple(tokens)] for tokens, reported in beams if tokens]
     out = {name: {"beams": len(g), "max_abs_diff": max(map(abs, g)), "mean_diff": _mean(g)} for name, g in gaps.items()}
     for name, r in out.items():
@@ -294,9 +294,7 @@ def main() -> None:
     parser.add_argument("--rescore", type=int, default=0, metavar="K",
                         help="after the run, score the first K pairs' beams again in transformers (float32) and "
                              "record how far the engine's reported log-probs are from those scores")
-    parser.add_argument("--omp-bind", default=None,
-                        help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. 0-1: the worker on both cores of a "
-                             "2-core machine, faster for large batches; default: the environment's, else vLLM's auto)")
+    add_omp_bind_argument(parser)
     add_dtype_argument(parser)
     args = parser.parse_args()
     result = pool(args.pool, args.detect) if args.pool else run(args)
