@@ -25,6 +25,7 @@ import argparse
 import math
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.bench_dsbd import COUNTERS, _counters, _is_head
@@ -198,12 +199,19 @@ def summarize(records: list[dict], counters: dict, secs: dict, detect: float, qu
     return summary
 
 
-def pool(parts: list[Path], detect: float) -> dict:
-    """One result over the records of several runs with disjoint seeds and otherwise equal settings."""
+POOL_ACROSS = {"dtype": ("dtype", "dtype_reason")}  # settings parts may differ in when asked (--pool-across)
+
+
+def pool(parts: list[Path], detect: float, across: Sequence[str] = ()) -> dict:
+    """One result over the records of several runs with disjoint seeds and otherwise equal settings, except
+    those named in ``across`` (keys of ``POOL_ACROSS``; each then recorded per part). Under exactness every
+    pair's expected difference is 0 whatever the dtype, so parts of two dtypes pool into one test of that; the
+    estimate is then a mixture of the dtypes' differences."""
     import json
 
     results = [json.loads((p / "paired_quality.json").read_text()) for p in parts]
-    varying = {"pairs", "seed", "omp_threads_bind"}  # the worker's cores change its speed, not its draws' law
+    per_part = {"omp_threads_bind"} | {k for name in across for k in POOL_ACROSS[name]}
+    varying = {"pairs", "seed"} | per_part  # the worker's cores change its speed, not its draws' law
     first = {k: v for k, v in results[0]["settings"].items() if k not in varying}
     for part, r in zip(parts, results):
         other = {k: v for k, v in r["settings"].items() if k not in varying}
@@ -232,7 +240,7 @@ def pool(parts: list[Path], detect: float) -> dict:
     return {"benchmark": "paired_quality",
             "settings": {**results[0]["settings"], "pairs": len(records),
                          "seed": [r["settings"]["seed"] for r in results],
-                         "omp_threads_bind": [r["settings"].get("omp_threads_bind", "auto") for r in results],
+                         **{k: [r["settings"].get(k, "auto") for r in results] for k in sorted(per_part)},
                          "pooled_from": [p.name for p in parts]},
             "machine": results[0]["machine"],
             "summary": summarize(records, counters, secs, detect),
@@ -268,7 +276,7 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", default="default", choices=sorted(pairs.PAIRS))
     parser.add_argument("--target", default=None, help="target checkpoint (default: the pair's)")
@@ -291,13 +299,19 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/paired-quality")
     parser.add_argument("--pool", nargs="+", type=Path, default=None, metavar="DIR",
                         help="pool earlier runs' results (disjoint seeds) into --out instead of running")
+    parser.add_argument("--pool-across", nargs="+", default=[], choices=sorted(POOL_ACROSS),
+                        help="with --pool: parts may differ in these settings (recorded per part)")
     parser.add_argument("--rescore", type=int, default=0, metavar="K",
                         help="after the run, score the first K pairs' beams again in transformers (float32) and "
                              "record how far the engine's reported log-probs are from those scores")
     add_omp_bind_argument(parser)
     add_dtype_argument(parser)
-    args = parser.parse_args()
-    result = pool(args.pool, args.detect) if args.pool else run(args)
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    result = pool(args.pool, args.detect, args.pool_across) if args.pool else run(args)
     write_result(result, Path(args.out), "paired_quality", plot)
 
 

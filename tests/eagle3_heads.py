@@ -17,6 +17,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks.bigram import LOGIT_SCALE, write_permutation_target  # noqa: F401  (the permutation target)
+from benchmarks.bigram import permutation as _permutation
+
 LAYOUTS = ("speculators", "eagle3")
 
 
@@ -88,52 +91,8 @@ def write_tiny_head(target_dir: Path, out_dir: Path, layout: str, draft_vocab_si
 
 
 # ---------------------------------------------------------------------------
-# A target whose next token is a fixed permutation of the current one, and a head that reads it from the features.
+# A head that reads the permutation target's next token from the features (the target: benchmarks/bigram.py).
 # ---------------------------------------------------------------------------
-LOGIT_SCALE = 3.0  # the right token's logit is ~24, the others ~N(0, 9): one candidate dominates
-
-
-def _permutation(vocab: int, seed: int):
-    import torch
-
-    return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
-
-
-def write_permutation_target(target_dir: Path, out_dir: Path, seed: int = 0, logit_scale: float = LOGIT_SCALE) -> Path:
-    """The Llama target in ``target_dir`` turned into a bigram model: every layer adds nothing (zero ``o_proj`` and
-    ``down_proj``), embeddings are unit rows, and the untied ``lm_head`` makes token ``perm[t]`` follow token t
-    (``perm`` = :func:`_permutation`). Every aux hidden state at position p is then the embedding of token p."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    target_dir, out_dir = Path(target_dir), Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for f in target_dir.iterdir():
-        if f.name != "model.safetensors" and f.is_file():
-            shutil.copy(f, out_dir / f.name)
-    w = load_file(str(target_dir / "model.safetensors"))
-    emb = w["model.embed_tokens.weight"]
-    emb = emb / emb.norm(dim=-1, keepdim=True)
-    w["model.embed_tokens.weight"] = emb.contiguous()
-    for name in w:
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            w[name] = torch.zeros_like(w[name])
-    perm = _permutation(emb.shape[0], seed)
-    out = torch.empty_like(emb)
-    out[perm] = emb  # row perm[t] is embedding t: the logit of perm[t] after t is the largest
-    w["lm_head.weight"] = (out * logit_scale).contiguous()
-    save_file(w, str(out_dir / "model.safetensors"))
-    config = json.loads((target_dir / "config.json").read_text())
-    config["tie_word_embeddings"] = False
-    (out_dir / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-    manifest = out_dir / "dsbd-manifest.json"
-    if manifest.exists():
-        manifest.unlink()
-    return out_dir
-
-
 def write_permutation_head(target_dir: Path, out_dir: Path, steps: int = 2, seed: int = 0,
                            logit_scale: float = LOGIT_SCALE, draft_tokens=None) -> Path:
     """A speculators-layout head for :func:`write_permutation_target` (same ``seed``) whose layer adds nothing and

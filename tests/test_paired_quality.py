@@ -70,6 +70,20 @@ def test_parts_that_differ_in_a_method_setting_or_repeat_pairs_do_not_pool(tmp_p
         paired_quality.pool([a, again], detect=0.02)
 
 
+def test_parts_of_two_dtypes_pool_only_when_asked(tmp_path):
+    a = _part(tmp_path, "a", 0, [0.1, 0.3], dtype="float32", dtype_reason="no native bf16")
+    b = _part(tmp_path, "b", 2, [-0.1], dtype="bfloat16", dtype_reason="native bf16")
+    with pytest.raises(SystemExit, match="dtype"):
+        paired_quality.pool([a, b], detect=0.02)
+    pooled = paired_quality.pool([a, b], detect=0.02, across=["dtype"])
+    assert pooled["settings"]["dtype"] == ["float32", "bfloat16"]
+    assert pooled["settings"]["dtype_reason"] == ["no native bf16", "native bf16"]
+    assert pooled["summary"]["best_beam"]["mean"] == pytest.approx(0.1)
+    wider = _part(tmp_path, "wider", 4, [0.1], dtype="bfloat16", dtype_reason="native bf16", width=8)
+    with pytest.raises(SystemExit, match="width"):  # the other settings must still agree
+        paired_quality.pool([a, wider], detect=0.02, across=["dtype"])
+
+
 def test_rescore_measures_how_far_reported_logprobs_are_from_transformers(tiny_pair):
     from benchmarks.scoring import load_scorer, mean_logprob
 
