@@ -117,8 +117,7 @@ def run(args: argparse.Namespace) -> dict:
               "machine": machine_facts(),
               "node_acceptance": paired["summary"]["node_acceptance"],
               "paired": {k: paired["summary"][k] for k in ("best_beam", "mean_beam")},
-              "against_reference": compare(paired["records"], reference),
-              "records": paired["records"]}
+              "against_reference": compare(paired["records"], reference)}  # the records: paired/
     for stat, row in result["against_reference"].items():
         print(f"[reference] {stat} beam: exact {row['reference']['mean']:.4f} ± {row['reference']['se']:.4f}; "
               + "; ".join(f"{m} {row[m]['mean']:.4f} ± {row[m]['se']:.4f} (z {row[m]['z']:+.2f})"
