@@ -55,10 +55,12 @@ def write_permutation_target(target_dir: Path, out_dir: Path, seed: int = 0, log
     return out_dir
 
 
-def bigram_logprobs(model_dir: Path):
-    """``tokens [n] -> log-probs [n, V]`` of the bigram model in ``model_dir`` (:func:`write_permutation_target`),
-    from its weights: with every layer adding nothing, the logits at a position are ``lm_head(norm(embed(t)))``
-    of its token ``t`` alone. Float32, in this process's torch threads."""
+def bigram_logprobs(model_dir: Path, check_prompt):
+    """``(tokens [n] -> log-probs [n, V], error)`` of the bigram model in ``model_dir``
+    (:func:`write_permutation_target`), from its weights: with every layer adding nothing, the logits at a
+    position are ``lm_head(norm(embed(t)))`` of its token ``t`` alone. ``error``: the largest difference from the
+    full model's log-probs at the last position of ``check_prompt`` (token ids). Float32, in this process's torch
+    threads."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -69,5 +71,6 @@ def bigram_logprobs(model_dir: Path):
         with torch.inference_mode():
             return head(norm(embed(tokens))).float().log_softmax(-1)
 
-    logprobs.model = model  # the full model, for checking the shortcut against it
-    return logprobs
+    with torch.inference_mode():
+        full = model(input_ids=torch.tensor([list(check_prompt)])).logits[0, -1].float().log_softmax(-1)
+    return logprobs, float((full - logprobs(torch.tensor([check_prompt[-1]]))[0]).abs().max())

@@ -63,8 +63,8 @@ def _draw(joint, width: int, gen):
 
 
 def _mean_se(xs: list[float]) -> tuple[float, float]:
-    m = sum(xs) / len(xs)
-    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+    stats = paired_quality.paired_stats(xs, detect=1.0)  # its mean and standard error (any sample, not only diffs)
+    return stats["mean"], stats["se"]
 
 
 def compare(records: list[dict], reference: dict[str, list[float]]) -> dict:
@@ -83,11 +83,17 @@ def compare(records: list[dict], reference: dict[str, list[float]]) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    import torch
+    with tempfile.TemporaryDirectory(prefix="exact-reference-") as work:
+        return _run(args, Path(work))
 
+
+def _run(args: argparse.Namespace, work: Path) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from benchmarks.run import load_prompts
     from vllm_dsbd import models
 
-    work = Path(tempfile.mkdtemp(prefix="exact-reference-"))
     tiny = models.build_tiny_pair(models.cache_root() / "tiny", seed=0)
     target = write_permutation_target(tiny.target, work / "target", logit_scale=TARGET_SCALE)
     draft = write_permutation_target(tiny.target, work / "draft", logit_scale=DRAFT_SCALE)
@@ -100,15 +106,9 @@ def run(args: argparse.Namespace) -> dict:
         "--prompts-file", str(prompts_file), "--out", str(Path(args.out) / "paired"), "--dtype", "float32"])
     paired = paired_quality.run(engine_args)
 
-    from benchmarks.run import load_prompts
-    from transformers import AutoTokenizer
-
     torch.set_num_threads(args.threads)
     prompt = load_prompts(prompts_file, None, AutoTokenizer.from_pretrained(str(target)))[0].token_ids
-    logprobs = bigram_logprobs(target)
-    with torch.inference_mode():  # the shortcut is the model: its logits at the prompt's last position
-        full = logprobs.model(input_ids=torch.tensor([prompt])).logits[0, -1].float().log_softmax(-1)
-    shortcut_error = float((full - logprobs(torch.tensor([prompt[-1]]))[0]).abs().max())
+    logprobs, shortcut_error = bigram_logprobs(target, prompt)
     t0 = time.perf_counter()
     reference = simulate(logprobs, prompt[-1], args.width, args.max_tokens, args.samples, args.seed)
     result = {"settings": {**paired["settings"], "target_logit_scale": TARGET_SCALE,
