@@ -284,9 +284,39 @@ def test_a_heads_draft_layer_draws_what_sampling_over_the_whole_vocabulary_draws
                                                  .double()).tolist(), abs=1e-5)
         torch.testing.assert_close(q, want_q[0], atol=1e-6, rtol=1e-5)
         assert bool((q.view(width, vocab)[:, own.sort().values].sum() - 1).abs() < 1e-5)
-    with pytest.raises(ValueError, match="need a support and T > 0"):
-        draft_layer(logits[:, own.sort().values], {"a": 0, "b": 1, "c": 2},
-                    dataclasses.replace(ds, temperature=0.0), own.sort().values, vocab)
+    with pytest.raises(ValueError, match="need the support"):
+        draft_layer(logits[:, own.sort().values], {"a": 0, "b": 1, "c": 2}, ds, None, vocab)
+
+
+@pytest.mark.parametrize("ignore_eos, stop_token_ids", [(False, ()), (True, ()), (False, (0, 11))])
+def test_a_heads_draft_layer_at_t0_searches_its_columns_as_the_whole_vocabulary(ignore_eos, stop_token_ids):
+    """At T 0 the draft's beam-search step over a head's draft vocabulary only (its support, or logits over
+    its columns as in-step drafting gives them) keeps the W candidates that the step over all V keeps: the
+    same parents, token ids and scores (to rounding), EOS and stop tokens (inside the draft vocabulary)
+    finishing as over V, ties inside the top 2W broken by token id as over V."""
+    from vllm_dsbd.engine.protocol import DraftStep
+
+    width, vocab = 4, 1000
+    gen = torch.Generator().manual_seed(5)
+    own = torch.cat([torch.tensor([0, 7, 11]), 12 + torch.randperm(vocab - 12, generator=gen)[:297]]).sort().values
+    rows = {"a": 0, "b": 1, "c": 2}
+    for trial in range(60):
+        logits = torch.full((3, vocab), float("-inf"))
+        logits[:, own] = 2.0 * torch.randn((3, own.numel()), generator=gen)
+        if trial % 3 == 0:  # ties inside each row's top 2W (EOS 7 and the stop tokens 0, 11 tied first; a tie
+            # across the top-2W cut is unspecified, as in vLLM's top-k): broken by token id
+            logits[:, own[:3]] = logits.max(-1, keepdim=True).values + 1.0
+        ds = DraftStep(group_id="g", beam_width=width, temperature=0.0, top_k=0, top_p=1.0,
+                       length_penalty=1.0, ignore_eos=ignore_eos, eos_token_id=7, seed=trial, step=5, layer=1,
+                       req_ids=("a", "b", "c"), slots=(0, 2, 3), scores=(-0.5, -1.0, -2.5), seq_len=9,
+                       stop_token_ids=stop_token_ids, draft_temperature_scale=0.75)
+        whole, _ = draft_layer(logits, rows, ds)
+        on_columns, _ = draft_layer(logits, rows, ds, own)  # the support's columns of the V logits
+        assert draft_layer(logits[:, own], rows, ds, own, vocab)[0] == on_columns  # logits over the columns only
+        # the normaliser sums over K columns instead of V: the scores agree to rounding, the choices exactly
+        assert (on_columns.parents, on_columns.tokens) == (whole.parents, whole.tokens)
+        assert on_columns.scores == pytest.approx(whole.scores, abs=1e-5)
+        assert len(whole.tokens) == width and all(t in own.tolist() for t in whole.tokens)
 
 
 def test_a_draft_vocabulary_is_checked_against_the_drafts_logits():

@@ -346,10 +346,13 @@ def beam_search_step(
     length_penalty: Tensor,
     stop_token_ids: Sequence[int] = (),
     finishes_fn: CandidateFinishes | None = None,
+    token_ids: Tensor | None = None,
 ) -> BeamSearchStep:
     """One step of vLLM 0.32.0's built-in beam search, for many groups at once.
 
-    logprobs: [G, B, V] raw per-token log-probs (``log_softmax(logits)``).
+    logprobs: [G, B, V] raw per-token log-probs (``log_softmax(logits)``), or [G, B, C] over the columns
+    of ``token_ids`` ([C] ascending token ids, e.g. a draft's vocabulary: every other token's log-prob is
+    -inf): the same step at a fraction of the cost, the candidates' tokens given as token ids.
     beam_scores: [G, B] cumulative log-probs (float64 keeps vLLM's Python-float sums).
     beam_valid: [G, B] bool. seq_lens: [G] tokens per beam now (prompt + generated).
     ignore_eos: [G] bool. length_penalty: [G] float.
@@ -377,6 +380,8 @@ def beam_search_step(
     vals = vals.gather(-1, tie_order)
     vals, desc = torch.sort(vals, dim=-1, descending=True, stable=True)
     toks = toks.gather(-1, desc)
+    if token_ids is not None:  # columns -> token ids; ascending, so the tie order above is the tokens'
+        toks = token_ids[toks]
 
     cum = beam_scores.double()[:, :, None] + vals.double()  # [G, B, K]
     finishes, is_eos = finishing_tokens(toks, eos_token_id, ignore_eos[:, None, None], stop_token_ids)

@@ -205,14 +205,13 @@ def draw(runner, jobs: list[Job]) -> None:
 
 def _draw_layer(runner, normed: torch.Tensor, parts: list[_Part], layer: int) -> list[list[int]]:
     """Draft layer ``layer`` of every part from the head's output at its new nodes' rows: one head-logits
-    call and one ``spec_step.draft_layers`` call per kind (:func:`_on_columns`: at T > 0 over the head's
-    draft vocabulary, [n, K] from ``eagle3.draft_vocabulary_logits``, no scatter into all V; else over all
-    V); each layer's joint kept in the runner's ``DraftStore`` and its decision appended to
+    call and one ``spec_step.draft_layers`` call per kind (:func:`_on_columns`: over the head's draft
+    vocabulary, [n, K] from ``eagle3.draft_vocabulary_logits``, no scatter into all V; else over all V); each layer's joint kept in the runner's ``DraftStore`` and its decision appended to
     ``job.decisions``. Returns, per part, the slots of its nodes that do not finish."""
     head, vocab = runner.drafter.model, runner.model_config.get_vocab_size()
     grows: list[list[int]] = [[] for _ in parts]
     for columns in (True, False):
-        picked = [k for k, p in enumerate(parts) if _on_columns(runner, p.job.group) == columns]
+        picked = [k for k, p in enumerate(parts) if _on_columns(runner, p.job) == columns]
         if not picked:
             continue
         index = torch.tensor([r for k in picked for r in parts[k].last], device=normed.device)
@@ -249,7 +248,8 @@ def _draft_step(part: _Part, layer: int) -> DraftStep:
                      scores=tuple(part.scores), seq_len=part.first + layer, mjsd=part.job.mjsd)
 
 
-def _on_columns(runner, group: GroupDecoding) -> bool:
-    """Whether a group's draw runs on the head's draft-vocabulary columns: at T > 0, with a head whose draft
-    vocabulary is a small part of V (``runner._dsbd_head_order``)."""
-    return group.temperature > 0 and runner._dsbd_head_order is not None
+def _on_columns(runner, job: Job) -> bool:
+    """Whether a job's layers are drawn on the head's draft-vocabulary columns: with a head whose draft
+    vocabulary is a small part of V (``runner._dsbd_head_order``), except an MJSD group at T 0, which keeps
+    the draft's log-probs over all V (``mjsd_step.kept_draft``)."""
+    return runner._dsbd_head_order is not None and (job.group.temperature > 0 or not job.mjsd)

@@ -92,16 +92,16 @@ def draft_layers(logits: Tensor, rows: Sequence[Sequence[int]], steps: Sequence[
 
     logits: [num_rows, V] draft logits of this step's rows; rows[g]: the rows of ``steps[g]``'s parent nodes
     (its ``slots``, in order). support: the ascending token ids the draft can propose (every other logit is
-    -inf: an EAGLE-3 head's draft vocabulary, ``draft_vocab_size``), or None for all V. At T > 0 the draw
-    runs over those columns only: it draws exactly what sampling over all V does (the other tokens have
-    probability 0, and the column order keeps the token order that ties and top-k follow), at a fraction of
-    the cost. vocab_size: V, given when ``logits`` hold only the support's columns ([num_rows, K], T > 0
-    only: a head's ``eagle3.draft_vocabulary_logits``). Each Q is [W*V] float32, or with a support [W*K]
+    -inf: an EAGLE-3 head's draft vocabulary, ``draft_vocab_size``), or None for all V. The draw (T > 0) and
+    the search (T 0) run over those columns only: they choose what the same over all V does (the other
+    tokens have probability 0, and the column order keeps the token order that ties and top-k follow), at a
+    fraction of the cost. vocab_size: V, given when ``logits`` hold only the support's columns ([num_rows,
+    K]: a head's ``eagle3.draft_vocabulary_logits``). Each Q is [W*V] float32, or with a support [W*K]
     over its columns (0 on every other token; ``verify_forest``'s ``draft_support`` verifies on those
     columns, :func:`expand_joint` makes the [W*V] one).
     """
-    if vocab_size is not None and (support is None or any(ds.temperature <= 0 for ds in steps)):
-        raise ValueError("draft_layer: logits over the support's columns only need a support and T > 0")
+    if vocab_size is not None and support is None:
+        raise ValueError("draft_layer: logits over the support's columns only need the support")
     buckets: dict[tuple, list[int]] = {}
     for g, ds in enumerate(steps):
         # restricted groups apart: restricting any row renormalises every row of the pass (rounding)
@@ -158,13 +158,14 @@ def _sampled_layers(logits, rows, steps, support, vocab_size) -> list[tuple[Draf
 
 def _searched_layers(logits, rows, steps, support, vocab_size) -> list[tuple[DraftDecision, None]]:
     """T 0, groups of one width, EOS and stop tokens: the W best candidates each by vLLM's beam-search rule,
-    the draft ranked at its ``draft_temperature_scale``."""
+    the draft ranked at its ``draft_temperature_scale`` (over the support's columns when there is one)."""
     device, width, first = logits.device, steps[0].beam_width, steps[0]
-    valid, scores, lp = _parents(logits, rows, steps, [ds.draft_temperature_scale for ds in steps], None)
+    columns = support if support is not None and vocab_size is None else None
+    valid, scores, lp = _parents(logits, rows, steps, [ds.draft_temperature_scale for ds in steps], columns)
     step = beam_search_step(lp, scores, valid, torch.tensor([ds.seq_len for ds in steps], device=device), width,
                             first.eos_token_id, torch.tensor([ds.ignore_eos for ds in steps], device=device),
                             torch.tensor([ds.length_penalty for ds in steps], dtype=torch.float64, device=device),
-                            first.stop_token_ids)
+                            first.stop_token_ids, token_ids=support)
     keep, parents, tokens, cums = (t.tolist() for t in (step.valid, step.parents, step.tokens, step.cum_logprobs))
     return [(DraftDecision(ds.group_id, [p for p, k in zip(parents[g], keep[g]) if k],
                            [t for t, k in zip(tokens[g], keep[g]) if k], [c for c, k in zip(cums[g], keep[g]) if k]),
