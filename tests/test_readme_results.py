@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-RUNS = {"A": "quick/summary.json", "B": "dsbd-head-9-gap/dsbd.json", "C": "paired-quality-pooled/paired_quality.json"}
+RUNS = {"A": "quick/summary.json", "B": "dsbd-head-10/dsbd.json", "C": "paired-quality-pooled/paired_quality.json"}
 DECIMAL = re.compile(r"-?\d+\.\d+")
 
 
@@ -104,6 +104,7 @@ def test_the_caption_states_each_runs_setting_and_date():
     assert f"`benchmarks/results/quick/` ({a['created'][:10]}, {a['settings'].get('dtype', 'float32')}" in section
     assert f", {b['settings']['dtype'].replace('bfloat16', 'bf16')} on an EPYC" in section
     assert b["settings"]["repeat"] == 2 and "2 timed repeats" in section
+    assert b["settings"]["compiled"] and "run B in vLLM's default compiled mode" in " ".join(section.split())
     assert f"{c['summary']['best_beam']['n']:,} paired requests" in section
     assert c["settings"]["width"] == 4 and c["settings"]["dtype"] == "float32"
 
