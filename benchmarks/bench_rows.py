@@ -32,7 +32,8 @@ from pathlib import Path
 from benchmarks.bench_dsbd import _profile, _profile_delta
 from benchmarks.machine import machine_facts
 from benchmarks.run import load_prompts
-from benchmarks.scripts import add_enforce_eager_argument, add_omp_bind_argument, add_prompt_args, apply_omp_bind, write_result
+from benchmarks.scripts import (add_enforce_eager_argument, add_omp_bind_argument, add_prompt_args, apply_omp_bind,
+                                write_result)
 from vllm_dsbd import models, pairs
 from vllm_dsbd.dtypes import add_dtype_argument, resolve_dtype
 
@@ -127,7 +128,7 @@ def time_engine(args, target: str, draft: str, dtype: str, prompts) -> tuple[lis
 
     def run(spec, prompt, max_tokens):
         _, width, gamma = spec
-        params = SamplingParams(n=width, temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+        params = SamplingParams(n=width, temperature=0.0, seed=args.seed, max_tokens=max_tokens, ignore_eos=True,
                                 extra_args={"beam_width": width, "num_speculative_tokens": gamma,
                                             "fixed_width": True, "auto_depth": False})
         before = _profile(llm)
@@ -220,8 +221,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_prompt_args(parser, max_tokens=32, num_prompts=4)
     parser.add_argument("--pair", default="default", help="model pair (vllm-dsbd models prepare --pair NAME)")
-    parser.add_argument("--draft", default=None, help="draft checkpoint or EAGLE-3 head (default: the shipped head on the default pair, "
-                                                      "else the pair's draft)")
+    parser.add_argument("--draft", default=None, help="draft checkpoint or EAGLE-3 head (default: the shipped "
+                                                      "head on the default pair, else the pair's draft)")
     parser.add_argument("--repeat", type=int, default=2, help="run the prompts this many times, rows interleaved")
     add_omp_bind_argument(parser)
     add_dtype_argument(parser)

@@ -206,8 +206,9 @@ def draw(runner, jobs: list[Job]) -> None:
 def _draw_layer(runner, normed: torch.Tensor, parts: list[_Part], layer: int) -> list[list[int]]:
     """Draft layer ``layer`` of every part from the head's output at its new nodes' rows: one head-logits
     call and one ``spec_step.draft_layers`` call per kind (:func:`_on_columns`: over the head's draft
-    vocabulary, [n, K] from ``eagle3.draft_vocabulary_logits``, no scatter into all V; else over all V); each layer's joint kept in the runner's ``DraftStore`` and its decision appended to
-    ``job.decisions``. Returns, per part, the slots of its nodes that do not finish."""
+    vocabulary, [n, K] from ``eagle3.draft_vocabulary_logits``, no scatter into all V; else over all V);
+    each layer's joint kept in the runner's ``DraftStore`` and its decision appended to ``job.decisions``.
+    Returns, per part, the slots of its nodes that do not finish."""
     head, vocab = runner.drafter.model, runner.model_config.get_vocab_size()
     grows: list[list[int]] = [[] for _ in parts]
     for columns in (True, False):
