@@ -9,8 +9,9 @@ runs W. Two measurements, one run:
 - ``gemm``: the target's matrix products alone (every layer's q/k/v, o, gate/up and down projections and
   the logits head, the shapes read from the target's config, random weights in the run's dtype) through
   vLLM's own CPU dispatch (``dispatch_cpu_unquantized_gemm``: oneDNN, or AMX kernels where present), timed
-  at 1 to 16 rows, on 1 thread and on every thread torch has (vLLM's worker computes on the cores that
-  ``VLLM_CPU_OMP_THREADS_BIND`` gives it: its default ``auto`` leaves one to the engine core; ``--omp-bind``).
+  at 1 to 16 rows, in the benchmark's own process (vLLM's worker computes on the cores that
+  ``VLLM_CPU_OMP_THREADS_BIND`` gives it: its default ``auto`` leaves one to the engine core; ``--omp-bind``;
+  ``torch.set_num_threads`` does not change what oneDNN runs on, so the script does not try).
 - ``engine``: one DSBD engine with the shipped head (default pair; else the pair's draft; a head drafts in
   the verify step), batch 1, T 0:
   in-engine beam search at W 1, 2, 4, 8 (a beam step runs W rows) and DSBD at W 4, γ 1 and 2 (a verify step
@@ -53,11 +54,9 @@ def projection_shapes(config) -> dict[str, tuple[int, int]]:
             "logits": (hidden, config.vocab_size)}
 
 
-def time_gemms(config, dtype, rows=GEMM_ROWS, repeats: int = 20, rounds: int = 5, threads: int | None = None
-               ) -> list[dict]:
-    """Per number of rows: ms of one forward's matrix products (layers x projections + logits head) on
-    ``threads`` threads (default: torch's), the median of ``rounds`` rounds that each time every number of
-    rows in turn."""
+def time_gemms(config, dtype, rows=GEMM_ROWS, repeats: int = 20, rounds: int = 5) -> list[dict]:
+    """Per number of rows: ms of one forward's matrix products (layers x projections + logits head) in this
+    process, the median of ``rounds`` rounds that each time every number of rows in turn."""
     import gc
     import statistics
 
@@ -66,8 +65,6 @@ def time_gemms(config, dtype, rows=GEMM_ROWS, repeats: int = 20, rounds: int = 5
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     torch.manual_seed(0)
-    default_threads = torch.get_num_threads()
-    torch.set_num_threads(threads or default_threads)
     layers = {}
     for name, (n_in, n_out) in projection_shapes(config).items():
         layer = torch.nn.Module()
@@ -86,14 +83,13 @@ def time_gemms(config, dtype, rows=GEMM_ROWS, repeats: int = 20, rounds: int = 5
                 for _ in range(repeats):
                     layer.cpu_linear(inputs[m][name], layer.weight, None)
                 times[m][name].append((time.perf_counter() - start) / repeats * 1e3)
-    torch.set_num_threads(default_threads)
     del layers, inputs
     gc.collect()  # vLLM's oneDNN handlers are freed now, not during the engine's compilation
     out = []
     for m in rows:
         ms = {name: statistics.median(t) for name, t in times[m].items()}
         layer_ms = sum(v for k, v in ms.items() if k != "logits")
-        out.append({"rows": m, "threads": threads or default_threads, "layer_ms": layer_ms, "logits_ms": ms["logits"],
+        out.append({"rows": m, "threads": torch.get_num_threads(), "layer_ms": layer_ms, "logits_ms": ms["logits"],
                     "forward_ms": config.num_hidden_layers * layer_ms + ms["logits"]})
     return out
 
@@ -168,11 +164,9 @@ def run(args: argparse.Namespace) -> dict:
     target = args.target or str(pair.target)
     draft = args.draft or str(models.default_head_path() if args.pair == "default" else pair.draft)
     config = AutoConfig.from_pretrained(target)
-    gemm = [g for threads in range(1, torch.get_num_threads() + 1)
-            for g in time_gemms(config, getattr(torch, dtype.dtype), threads=threads)]
-    for threads in sorted({g["threads"] for g in gemm}):
-        print(f"[rows] matrix products of one forward on {threads} thread(s), ms: " +
-              ", ".join(f"{g['rows']} rows {g['forward_ms']:.1f}" for g in gemm if g["threads"] == threads), flush=True)
+    gemm = time_gemms(config, getattr(torch, dtype.dtype))
+    print("[rows] matrix products of one forward, ms: " +
+          ", ".join(f"{g['rows']} rows {g['forward_ms']:.1f}" for g in gemm), flush=True)
     prompts = load_prompts(Path(args.prompts_file), args.num_prompts, AutoTokenizer.from_pretrained(target))
     engine, start_s = time_engine(args, target, draft, dtype.dtype, prompts)
     for r in engine:

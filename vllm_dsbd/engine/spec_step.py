@@ -118,14 +118,15 @@ def draft_layers(logits: Tensor, rows: Sequence[Sequence[int]], steps: Sequence[
 
 
 def _parents(logits: Tensor, rows: Sequence[Sequence[int]], steps: Sequence[DraftStep], temperatures: list[float],
-             columns: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """The groups' parent nodes as [G, W] slots: (valid, scores float64, log-probs [G, W, C] of the logits'
-    columns (``columns``: those of a support only) tempered by each group's temperature)."""
+             support: Tensor | None, vocab_size: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The groups' parent nodes as [G, W] slots: (valid, scores float64, log-probs [G, W, C] tempered by each
+    group's temperature, over the support's columns when there is one: :func:`draft_layers`' ``logits`` as
+    they are when they hold only those columns (``vocab_size`` given), else the support's columns of them)."""
     device, width = logits.device, steps[0].beam_width  # every tensor below on the logits' device
     flat = [r for group in rows for r in group]
     parent_logits = logits.index_select(0, torch.tensor(flat, device=device)).float()  # [P, C]
-    if columns is not None:
-        parent_logits = parent_logits[:, columns]
+    if support is not None and vocab_size is None:
+        parent_logits = parent_logits[:, support]
     group_of = torch.tensor([g for g, group in enumerate(rows) for _ in group], device=device)
     slot_of = torch.tensor([s for ds in steps for s in ds.slots], device=device)
     per_row = torch.tensor([temperatures[g] for g, group in enumerate(rows) for _ in group], device=device)
@@ -142,9 +143,8 @@ def _parents(logits: Tensor, rows: Sequence[Sequence[int]], steps: Sequence[Draf
 def _sampled_layers(logits, rows, steps, support, vocab_size) -> list[tuple[DraftDecision, Tensor]]:
     """T > 0, groups of one width: W nodes each drawn i.i.d. from the draft joint (with replacement)."""
     device, width = logits.device, steps[0].beam_width
-    columns = support if support is not None and vocab_size is None else None
     valid, scores, lp = _parents(logits, rows, steps, [ds.temperature * ds.draft_temperature_scale for ds in steps],
-                                 columns)
+                                 support, vocab_size)
     q = joint_probs(scores, valid, lp, torch.tensor([ds.top_k for ds in steps], device=device),
                     torch.tensor([ds.top_p for ds in steps], device=device))  # [G, W*C]
     draws = sample_joint(q, width, [generator(ds.seed, ds.step, ds.layer, device) for ds in steps])  # [G, W]
@@ -160,8 +160,8 @@ def _searched_layers(logits, rows, steps, support, vocab_size) -> list[tuple[Dra
     """T 0, groups of one width, EOS and stop tokens: the W best candidates each by vLLM's beam-search rule,
     the draft ranked at its ``draft_temperature_scale`` (over the support's columns when there is one)."""
     device, width, first = logits.device, steps[0].beam_width, steps[0]
-    columns = support if support is not None and vocab_size is None else None
-    valid, scores, lp = _parents(logits, rows, steps, [ds.draft_temperature_scale for ds in steps], columns)
+    valid, scores, lp = _parents(logits, rows, steps, [ds.draft_temperature_scale for ds in steps], support,
+                                 vocab_size)
     step = beam_search_step(lp, scores, valid, torch.tensor([ds.seq_len for ds in steps], device=device), width,
                             first.eos_token_id, torch.tensor([ds.ignore_eos for ds in steps], device=device),
                             torch.tensor([ds.length_penalty for ds in steps], dtype=torch.float64, device=device),
