@@ -111,3 +111,39 @@ def test_engine_style_beam_sampling_is_distributed_as_exact_beam_sampling():
                                 uniform_parents=True)
     assert chi2_pvalue(samples, wrong) < 1e-3
     assert len(Counter(samples)) > 10
+
+
+def _mixed_groups(temperature: float) -> list[GroupStep]:
+    """Five groups of one bucket (W 3): 1 to 3 live beams (so the shared table pads), every kind of log-prob
+    report, top-k / top-p, ignore_eos, stop strings on two of them, each its own seed and step."""
+    kinds = [dict(num_logprobs=-1), dict(num_logprobs=0, top_k=4), dict(num_logprobs=2, ignore_eos=True),
+             dict(num_logprobs=-1, top_p=0.8, stop=("ab",)), dict(num_logprobs=1, stop=("ca",))]
+    groups = []
+    for k, (num_beams, kind) in enumerate(zip([1, 3, 2, 3, 2], kinds)):
+        tails = tuple((b % 3, (b + k) % 4) for b in range(num_beams)) if "stop" in kind else ()
+        groups.append(step(group_id=f"g{k}", req_ids=tuple(f"g{k}b{b}" for b in range(num_beams)),
+                           scores=tuple(-0.3 * (b + 1) - 0.1 * k for b in range(num_beams)), beam_width=3,
+                           temperature=temperature, eos_token_id=0, seq_len=4 + k, length_penalty=0.5 * (k % 3 + 1),
+                           seed=11 + k, step=k, tails=tails, **kind))
+    return groups
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_a_steps_groups_decided_together_equal_each_decided_alone(temperature):
+    """decide() takes a step's groups in one batched pass (a shared [G, B, V] table, padded where a group has
+    fewer live beams): each group's decision is the one it gets alone, log-probs, ranks, top-k, finished
+    hypotheses and stop strings included, with outcomes that differ between groups (so a shared draw or a
+    padded slot read as a beam would show)."""
+    from vllm_dsbd.engine.stops import StopCheckers
+
+    stops = StopCheckers(lambda: lambda tokens: "".join("abcx"[t % 4] for t in tokens))
+    groups = _mixed_groups(temperature)
+    row_of = {r: i for i, r in enumerate(r for g in groups for r in g.req_ids)}
+    logits = 2 * torch.randn(len(row_of), 12, generator=torch.Generator().manual_seed(3))
+    logits[:, 0] += 2.5  # EOS among every beam's top candidates: finished hypotheses at every width
+    together = decide(logits, row_of, groups, stops)
+    alone = {g.group_id: decide(logits, row_of, [g], stops)[g.group_id] for g in groups}
+    assert together == alone
+    assert sum(bool(d.finished) for d in alone.values()) >= 3
+    assert len({tuple((c.parent, c.token) for c in d.beams) for d in alone.values()}) > 1
+    assert any(c.logprob.top_ids for d in alone.values() for c in d.beams)

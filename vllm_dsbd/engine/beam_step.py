@@ -43,26 +43,68 @@ def group_generator(seed: int, step: int, device: torch.device | str = "cpu") ->
 
 def decide(logits: Tensor, row_of: Mapping[str, int], groups: Sequence[GroupStep],
            stops: StopCheckers | None = None) -> dict[str, GroupDecision]:
-    """Next beams of every group.
+    """Next beams of every group, decided together: groups of one *bucket* (same width, temperature, EOS and
+    stop tokens) share one ``[G, B, V]`` table read from the logits with one indexed copy (a group with fewer
+    live beams is padded with invalid slots), one search or sampling call, and one pass naming the choices.
 
-    logits: [num_rows, V] next-token logits of this step's rows (any float dtype).
-    row_of: internal request id -> row of ``logits``. stops: the stop-string
+    logits: [num_rows, V] next-token logits of this step's rows (any float dtype, any device: every tensor
+    made here is on it). row_of: internal request id -> row of ``logits``. stops: the stop-string
     checkers (needed by groups with stop strings).
     """
-    out = {}
+    buckets: dict[tuple, list[GroupStep]] = {}
     for g in groups:
-        rows = torch.tensor([row_of[r] for r in g.req_ids], device=logits.device)
-        group_logits = logits.index_select(0, rows).float()  # [B, V]
-        finishes = beam_finishes(g, stops)
-        if g.temperature == 0:
-            out[g.group_id] = _search_step(group_logits, g, finishes)
-        else:
-            out[g.group_id] = _sampling_step(group_logits, g, finishes)
+        key = (g.beam_width, g.temperature, g.eos_token_id, tuple(g.stop_token_ids))
+        buckets.setdefault(key, []).append(g)
+    out = {}
+    for members in buckets.values():
+        out.update(_decide_bucket(logits, row_of, members, stops))
     return out
 
 
+def _decide_bucket(logits: Tensor, row_of: Mapping[str, int], members: list[GroupStep],
+                   stops: StopCheckers | None) -> dict[str, GroupDecision]:
+    first, device = members[0], logits.device
+    num_beams = max(len(g.req_ids) for g in members)
+    rows = [[row_of[r] for r in g.req_ids] for g in members]
+    padded = [r + [r[0]] * (num_beams - len(r)) for r in rows]  # a padded slot reads its group's first row
+    table = logits.index_select(0, torch.tensor(padded, device=device).flatten()).float()
+    table = table.view(len(members), num_beams, -1)  # [G, B, V]
+    valid = torch.tensor([[b < len(r) for b in range(num_beams)] for r in rows], device=device)
+    scores = torch.tensor([list(g.scores) + [0.0] * (num_beams - len(g.scores)) for g in members],
+                          dtype=torch.float64, device=device)
+    ignore_eos = torch.tensor([g.ignore_eos for g in members], device=device)
+    finishes = _bucket_finishes(members, stops)
+    asked = [g.num_logprobs for g in members]
+    if first.temperature == 0:
+        raw = torch.log_softmax(table, dim=-1)
+        step = beam_search_step(
+            raw, scores, valid, torch.tensor([g.seq_len for g in members], device=device), first.beam_width,
+            first.eos_token_id, ignore_eos,
+            torch.tensor([g.length_penalty for g in members], dtype=torch.float64, device=device),
+            first.stop_token_ids, finishes)
+        beams = _choices(raw, step.parents, step.tokens, step.cum_logprobs, step.valid, asked)
+        finished = _choices(raw, step.finished_parents, step.finished_tokens, step.finished_cum_logprobs,
+                            step.finished_valid, asked)
+    else:
+        tempered = tempered_logprobs(table, first.temperature)  # [G, B, V]
+        vocab = tempered.shape[-1]
+        probs = joint_probs(scores, valid, tempered, torch.tensor([g.top_k for g in members], device=device),
+                            torch.tensor([g.top_p for g in members], device=device))  # [G, B*V]
+        draws = sample_joint(probs, first.beam_width, [group_generator(g.seed, g.step, device) for g in members])
+        parents, tokens = draws // vocab, draws % vocab  # [G, W]
+        new_scores = scores.gather(1, parents) + tempered.flatten(1).gather(1, draws).double()
+        ends, _ = finishing_tokens(tokens, first.eos_token_id, ignore_eos[:, None], first.stop_token_ids)
+        if finishes is not None:
+            ends = ends | finishes(parents, tokens)
+        raw = tempered if first.temperature == 1 else torch.log_softmax(table, dim=-1)  # log softmax(x / 1) is it
+        beams = _choices(raw, parents, tokens, new_scores, ~ends, asked)
+        finished = _choices(raw, parents, tokens, new_scores, ends, asked)
+    return {g.group_id: GroupDecision(g.group_id, b, f) for g, b, f in zip(members, beams, finished)}
+
+
 def beam_finishes(g: GroupDecoding, stops: StopCheckers | None) -> CandidateFinishes | None:
-    """``(beam, token) -> completes a stop string`` over the tails of ``g``'s beams; None without stop strings."""
+    """``(beam, token) -> completes a stop string`` over the tails of ``g``'s beams (a slot past them, padding:
+    never); None without stop strings."""
     if not g.stop:
         return None
     if stops is None:
@@ -70,8 +112,23 @@ def beam_finishes(g: GroupDecoding, stops: StopCheckers | None) -> CandidateFini
     checker = stops.get(g.stop)
 
     def finishes(beams: Tensor, tokens: Tensor) -> Tensor:
-        flags = [checker.completes(g.tails[b], t) for b, t in zip(beams.flatten().tolist(), tokens.flatten().tolist())]
+        flags = [b < len(g.tails) and checker.completes(g.tails[b], t)
+                 for b, t in zip(beams.flatten().tolist(), tokens.flatten().tolist())]
         return torch.tensor(flags, dtype=torch.bool, device=tokens.device).reshape(tokens.shape)
+
+    return finishes
+
+
+def _bucket_finishes(members: list[GroupStep], stops: StopCheckers | None) -> CandidateFinishes | None:
+    """A bucket's ``(beam, token) -> finishes`` ([G, ...] each): group k's stop strings on row k; None when no
+    group of the bucket has stop strings."""
+    checks = [beam_finishes(g, stops) for g in members]
+    if all(c is None for c in checks):
+        return None
+
+    def finishes(beams: Tensor, tokens: Tensor) -> Tensor:
+        return torch.stack([torch.zeros_like(t, dtype=torch.bool) if c is None else c(b, t)
+                            for c, b, t in zip(checks, beams, tokens)])
 
     return finishes
 
@@ -85,63 +142,28 @@ def row_tokens(decision: GroupDecision, num_beams: int) -> list[int | None]:
     return tokens
 
 
-def _search_step(logits: Tensor, g: GroupStep, finishes: CandidateFinishes | None) -> GroupDecision:
-    raw = torch.log_softmax(logits, dim=-1)  # [B, V]
-    num_beams, device = raw.shape[0], logits.device
-    step = beam_search_step(
-        raw[None],
-        torch.tensor([g.scores], dtype=torch.float64, device=device),
-        torch.ones((1, num_beams), dtype=torch.bool, device=device),
-        torch.tensor([g.seq_len], device=device),
-        g.beam_width,
-        g.eos_token_id,
-        torch.tensor([g.ignore_eos], device=device),
-        torch.tensor([g.length_penalty], dtype=torch.float64, device=device),
-        g.stop_token_ids,
-        finishes,
-    )
-    beams = _choices(raw, step.parents[0], step.tokens[0], step.cum_logprobs[0], step.valid[0], g.num_logprobs)
-    finished = _choices(raw, step.finished_parents[0], step.finished_tokens[0], step.finished_cum_logprobs[0],
-                        step.finished_valid[0], g.num_logprobs)
-    return GroupDecision(g.group_id, beams, finished)
-
-
-def _sampling_step(logits: Tensor, g: GroupStep, finishes: CandidateFinishes | None) -> GroupDecision:
-    tempered = tempered_logprobs(logits, g.temperature)  # [B, V]
-    (num_beams, vocab), device = tempered.shape, logits.device
-    scores = torch.tensor([g.scores], dtype=torch.float64, device=device)
-    probs = joint_probs(scores, torch.ones((1, num_beams), dtype=torch.bool, device=device), tempered[None],
-                        torch.tensor([g.top_k], device=device), torch.tensor([g.top_p], device=device))  # [1, B*V]
-    draws = sample_joint(probs, g.beam_width, group_generator(g.seed, g.step, logits.device))[0]  # [W]
-    parents, tokens = draws // vocab, draws % vocab
-    new_scores = scores[0, parents] + tempered[parents, tokens].double()
-    ends, _ = finishing_tokens(tokens, g.eos_token_id, torch.tensor(g.ignore_eos, device=device), g.stop_token_ids)
-    if finishes is not None:
-        ends = ends | finishes(parents[None], tokens[None])[0]
-    raw = torch.log_softmax(logits, dim=-1)
-    beams = _choices(raw, parents, tokens, new_scores, ~ends, g.num_logprobs)
-    finished = _choices(raw, parents, tokens, new_scores, ends, g.num_logprobs)
-    return GroupDecision(g.group_id, beams, finished)
-
-
 def _choices(raw: Tensor, parents: Tensor, tokens: Tensor, scores: Tensor, keep: Tensor,
-             num_logprobs: int) -> list[BeamChoice]:
-    """BeamChoices for the kept entries; raw: [B, V] untempered log-probs of the parents."""
-    idx = keep.nonzero()[:, 0]
-    if idx.numel() == 0:
-        return []
-    parents, tokens, scores = parents[idx], tokens[idx], scores[idx]
-    rows = raw[parents]  # [K, V]
-    token_lp = rows.gather(1, tokens[:, None])[:, 0]  # [K]
-    # ranks only when log-probs were asked for (a pass over V per choice; 0 otherwise, as token_logprob)
-    ranks = (rows > token_lp[:, None]).sum(-1) + 1 if num_logprobs >= 0 else torch.zeros_like(tokens)
-    top_ids = top_lps = None
-    if num_logprobs > 0:
-        top_lps, top_ids = rows.topk(num_logprobs, dim=-1)
-        top_ids, top_lps = top_ids.tolist(), top_lps.tolist()
-    out = []
-    for k, (p, t, s, lp, rank) in enumerate(zip(parents.tolist(), tokens.tolist(), scores.tolist(),
-                                                token_lp.tolist(), ranks.tolist())):
-        extra = (tuple(top_ids[k]), tuple(top_lps[k])) if top_ids is not None else ((), ())
-        out.append(BeamChoice(p, t, s, TokenLogprob(lp, rank, *extra)))
+             asked: list[int]) -> list[list[BeamChoice]]:
+    """Per group, BeamChoices for its kept entries; raw: [G, B, V] untempered log-probs of the beams,
+    parents / tokens / scores / keep: [G, N]; asked: each group's ``num_logprobs``. Every group's choices
+    are read in one gather (their ranks and top-k, when asked for, in one pass over their rows)."""
+    out: list[list[BeamChoice]] = [[] for _ in asked]
+    group, entry = keep.nonzero(as_tuple=True)
+    if group.numel() == 0:
+        return out
+    parents, tokens, scores = parents[group, entry], tokens[group, entry], scores[group, entry]
+    most = max(asked)
+    if most < 0:  # the log-probs alone: no row is copied
+        token_lp, ranks = raw[group, parents, tokens], None
+    else:
+        rows = raw[group, parents]  # [K, V]
+        token_lp = rows.gather(1, tokens[:, None])[:, 0]
+        ranks = ((rows > token_lp[:, None]).sum(-1) + 1).tolist()  # a pass over V per choice
+    tops = {n: rows.topk(n, dim=-1) for n in set(asked) if n > 0}
+    tops = {n: (t.indices.tolist(), t.values.tolist()) for n, t in tops.items()}
+    for i, (k, p, t, s, lp) in enumerate(zip(group.tolist(), parents.tolist(), tokens.tolist(), scores.tolist(),
+                                             token_lp.tolist())):
+        n = asked[k]
+        extra = (tuple(tops[n][0][i]), tuple(tops[n][1][i])) if n > 0 else ((), ())
+        out[k].append(BeamChoice(p, t, s, TokenLogprob(lp, ranks[i] if n >= 0 else 0, *extra)))
     return out
