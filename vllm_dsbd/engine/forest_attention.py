@@ -15,8 +15,9 @@ A row may also write its K/V to a paged slot (``ForestRows.slots``: verified tok
 iterations read as context); draft rows are written nowhere but the scratch. The head runs as it does in
 a draft step (vLLM's own module, its rotary embedding and projections); only its attention kernel is
 swapped, per call, through the layer's ``impl`` (:class:`ForestAttentionImpl`, installed once; any other
-metadata goes to vLLM's kernel). The call's attention is one masked ``scaled_dot_product_attention`` over
-the contexts (each read once, in one gather) and the scratch rows.
+metadata goes to vLLM's kernel). The call's attention is one masked ``scaled_dot_product_attention``
+batched by context: each context (read once, all in one gather) with the scratch rows its rows name is one
+batch entry, so a call's cost grows with the groups drafting in it, not with their square.
 
 vLLM 0.32's CPU cache keeps each block as ``[kv_heads, 2 * block_size, head_dim]``: values plain in the
 second half, keys in an ISA-specific packing in the first. The packing is read once, by writing known
@@ -179,33 +180,64 @@ class ForestAttentionImpl:
             slots = torch.tensor(rows.slots, device=key.device)
             keep = (slots >= 0).nonzero()[:, 0]
             inner.do_kv_cache_update(layer, k[keep], v[keep], kv_cache, slots[keep])
-        # What each row attends to, as one set of keys: the contexts (each (blocks, length) read once), then
-        # every scratch row of the step; a mask keeps each row to its context and its chain.
+        # Rows attend within their context's *segment*: the context's keys (read once, in one gather for all
+        # contexts), then the scratch rows its rows name (ancestors and themselves). Every segment is one batch
+        # entry of one attention call (padded to the longest), each row masked to its context and its chain,
+        # so a call's cost grows with the contexts, not with their square.
         context_of = [(id(rows.block_tables[r]), rows.context_lens[r]) for r in range(num)]
-        contexts: dict[tuple[int, int], int] = {}
+        segments: dict[tuple[int, int], list[int]] = {}
         for r, context in enumerate(context_of):
-            contexts.setdefault(context, r)
-        firsts = list(contexts.values())
+            segments.setdefault(context, []).append(r)
+        firsts = [members[0] for members in segments.values()]
         ctx_k, ctx_v, starts = self._reader.read(kv_cache, [rows.block_tables[r] for r in firsts],
                                                  [rows.context_lens[r] for r in firsts])
-        start_of = dict(zip(contexts, starts))
         scratch_k = torch.stack(rows.scratch.keys[self.layer_name])  # [S, kvh, hd]
         scratch_v = torch.stack(rows.scratch.values[self.layer_name])
         width = ctx_k.shape[0]
-        mask = np.zeros((num, width + scratch_k.shape[0]), dtype=bool)
-        for r in range(num):
-            start = start_of[context_of[r]]
-            mask[r, start:start + rows.context_lens[r]] = True
-            mask[r, [width + a for a in rows.ancestors[r]] + [width + ids[r]]] = True
-        keys = torch.cat([ctx_k, scratch_k.to(ctx_k.dtype)]).transpose(0, 1)[None].float()  # [1, kvh, T, hd]
-        values = torch.cat([ctx_v, scratch_v.to(ctx_v.dtype)]).transpose(0, 1)[None].float()
+        keys_of, masks = _segment_keys(segments, starts, width, rows.ancestors, ids)
+        index = np.zeros((len(segments), max(len(k) for k in keys_of)), dtype=np.int64)
+        num_rows = max(len(m) for m in segments.values())
+        mask = np.zeros((len(segments), num_rows, index.shape[1]), dtype=bool)
+        mask[:, :, 0] = True  # a padded query row reads one key (its output is never used)
+        where = np.zeros(num, dtype=np.int64)  # each row's place in the [segments x rows] output
+        for s, (members, keys, seg_mask) in enumerate(zip(segments.values(), keys_of, masks)):
+            index[s, :len(keys)] = keys
+            mask[s, :len(members), :len(keys)] = seg_mask
+            where[members] = s * num_rows + np.arange(len(members))
+        device = key.device
+        index, where = torch.from_numpy(index).to(device), torch.from_numpy(where).to(device)
+        query_rows = torch.zeros(len(segments) * num_rows, dtype=torch.long, device=device)
+        query_rows[where] = torch.arange(num, device=device)
+        all_k = torch.cat([ctx_k, scratch_k.to(ctx_k.dtype)])  # [T, kvh, hd]
+        all_v = torch.cat([ctx_v, scratch_v.to(ctx_v.dtype)])
         attended = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1)[None].float(), keys, values, attn_mask=torch.from_numpy(mask), scale=inner.scale,
-            enable_gqa=inner.num_heads != inner.num_kv_heads)
+            q[query_rows].view(len(segments), num_rows, inner.num_heads, inner.head_size).transpose(1, 2).float(),
+            all_k[index].transpose(1, 2).float(), all_v[index].transpose(1, 2).float(),
+            attn_mask=torch.from_numpy(mask).to(device)[:, None], scale=inner.scale,
+            enable_gqa=inner.num_heads != inner.num_kv_heads)  # [segments, heads, rows, hd]
         out = output[:num].view(num, inner.num_heads, inner.head_size)
-        out.copy_(attended[0].transpose(0, 1).to(out.dtype))
+        flat = attended.transpose(1, 2).reshape(-1, inner.num_heads, inner.head_size)
+        out.copy_(flat[where].to(out.dtype))
         rows.row_ids = ids
         return output
+
+
+def _segment_keys(segments: dict, starts: list[int], width: int, ancestors: list[list[int]],
+                  ids: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per segment (a context and its rows, in order; ``starts``: where each context's keys begin in the
+    gathered contexts, the scratch rows after them, from ``width``): the key rows it reads, its context's
+    first, then the scratch rows its rows name; and its rows' mask over them (context, ancestors, self)."""
+    keys_of, masks = [], []
+    for ((_, length), members), start in zip(segments.items(), starts):
+        named = sorted({a for r in members for a in ancestors[r]} | {ids[r] for r in members})
+        place = {a: length + j for j, a in enumerate(named)}
+        keys_of.append(np.concatenate([np.arange(start, start + length), width + np.asarray(named, dtype=np.int64)]))
+        mask = np.zeros((len(members), length + len(named)), dtype=bool)
+        mask[:, :length] = True
+        for i, r in enumerate(members):
+            mask[i, [place[a] for a in ancestors[r]] + [place[ids[r]]]] = True
+        masks.append(mask)
+    return keys_of, masks
 
 
 def install(model: torch.nn.Module) -> list[str]:
