@@ -1,4 +1,5 @@
-"""What deciding a step's verifications together saves: the runner's verification pass at G groups a step.
+"""What deciding a step's groups together saves: the runner's verification pass, and a beam step's decisions,
+at G groups a step.
 
 The verifications are recorded from the toy engine (``benchmarks.toy_engine``: DSBD's own group and runner
 code) on lazily drawn models at a real vocabulary's size (49,152, SmolLM2's; the draft a noisy copy of the
@@ -8,6 +9,11 @@ before) and in one call, interleaved, and checked to decide alike, with glibc ke
 CPU worker does (``engine.cpu_memory``). Reported: milliseconds per step and per
 group (median of ``--repeats``), and each mode's per-group time at G against its time at G = 1. Pure torch,
 no engine: the decision part of a verify step, not its forward.
+
+Beside them (γ 0 rows), a beam step's decisions (``beam_step.decide``, in-engine beam decoding's and
+``auto_depth``'s depth 0): G groups of W 4 live beams each on random logits of the same vocabulary, beam
+search (T 0) and beam sampling (T 1), each group decided alone and all in one call, interleaved, checked to
+decide alike.
 
     python -m benchmarks.bench_decisions --out benchmarks/results/decisions
 
@@ -29,11 +35,13 @@ import torch
 from benchmarks import toy_engine
 from benchmarks.machine import machine_facts
 from benchmarks.scripts import write_result
-from vllm_dsbd.engine import cpu_memory, verify_step
+from vllm_dsbd.engine import beam_step, cpu_memory, verify_step
+from vllm_dsbd.engine.protocol import GroupStep
 from vllm_dsbd.engine.verify_step import verify_groups
 
 MODES = {"T 0 (search)": dict(temperature=0.0), "fixed width": dict(temperature=1.0),
          "dynamic width": dict(temperature=1.0, width_threshold=0.5)}
+BEAM_MODES = {"beam search (T 0)": 0.0, "beam sampling (T 1)": 1.0}
 BATCHES = (1, 4, 16)
 
 
@@ -79,6 +87,45 @@ def time_batch(batch: list[tuple], repeats: int) -> dict:
     return {"one_by_one_s": statistics.median(one_by_one), "together_s": statistics.median(together)}
 
 
+def beam_steps(temperature: float, groups: int, vocab: int, width: int = 4) -> tuple[torch.Tensor, dict, list]:
+    """One beam step of ``groups`` groups of ``width`` live beams: (logits [G*W, V], row of each request, steps)."""
+    gen = torch.Generator().manual_seed(groups)
+    logits = 3 * torch.randn((groups * width, vocab), generator=gen)
+    steps = [GroupStep(group_id=f"g{g}", req_ids=tuple(f"g{g}b{b}" for b in range(width)),
+                       scores=tuple(-0.5 * (b + 1) for b in range(width)), seq_len=40, beam_width=width,
+                       temperature=temperature, top_k=0, top_p=1.0, length_penalty=1.0, ignore_eos=False,
+                       eos_token_id=0, num_logprobs=-1, seed=g, step=3) for g in range(groups)]
+    return logits, {r: i for i, r in enumerate(r for st in steps for r in st.req_ids)}, steps
+
+
+def time_beam_batch(logits, row_of, steps, repeats: int) -> dict:
+    """Seconds of a beam step's groups decided one at a time and together (interleaved, medians)."""
+    one_by_one, together = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        alone = {}
+        for st in steps:
+            alone.update(beam_step.decide(logits, row_of, [st]))
+        one_by_one.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        joint = beam_step.decide(logits, row_of, steps)
+        together.append(time.perf_counter() - start)
+        if joint != alone:
+            raise AssertionError("the batched beam step decided otherwise than one group at a time")
+    return {"one_by_one_s": statistics.median(one_by_one), "together_s": statistics.median(together)}
+
+
+def _row(name: str, gamma: int, g: int, steps: int, seconds: list[dict]) -> dict:
+    row = {"mode": name, "gamma": gamma, "groups": g, "steps": steps,
+           "one_by_one_ms": 1000 * statistics.mean(x["one_by_one_s"] for x in seconds),
+           "together_ms": 1000 * statistics.mean(x["together_s"] for x in seconds)}
+    row["together_ms_per_group"] = row["together_ms"] / g
+    row["one_by_one_ms_per_group"] = row["one_by_one_ms"] / g
+    print(f"{name:19s} γ {gamma} G {g:2d}: one by one {row['one_by_one_ms']:7.2f} ms, together "
+          f"{row['together_ms']:7.2f} ms ({row['together_ms_per_group']:.2f} ms a group)", flush=True)
+    return row
+
+
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     cpu_memory.keep_freed_memory()  # as the CPU worker does: decision buffers reuse the heap
@@ -89,18 +136,15 @@ def run(args) -> dict:
             steps = min(len(r) for r in requests)
             for g in BATCHES:
                 seconds = [time_batch([requests[r][s] for r in range(g)], args.repeats) for s in range(steps)]
-                row = {"mode": name, "gamma": gamma, "groups": g, "steps": steps,
-                       "one_by_one_ms": 1000 * statistics.mean(x["one_by_one_s"] for x in seconds),
-                       "together_ms": 1000 * statistics.mean(x["together_s"] for x in seconds)}
-                row["together_ms_per_group"] = row["together_ms"] / g
-                row["one_by_one_ms_per_group"] = row["one_by_one_ms"] / g
-                rows.append(row)
-                print(f"{name:14s} γ {gamma} G {g:2d}: one by one {row['one_by_one_ms']:7.2f} ms, together "
-                      f"{row['together_ms']:7.2f} ms ({row['together_ms_per_group']:.2f} ms a group)", flush=True)
+                rows.append(_row(name, gamma, g, steps, seconds))
             for g in args.profile:
                 print(f"{name:14s} γ {gamma} G {g:2d}, the batched pass by operator:", flush=True)
                 profiles.append({"mode": name, "gamma": gamma, "groups": g,
                                  "operators": profile([[requests[r][s] for r in range(g)] for s in range(steps)])})
+    for name, temperature in BEAM_MODES.items():
+        for g in BATCHES:  # one step each, so four times the repeats
+            seconds = time_beam_batch(*beam_steps(temperature, g, args.vocab), 4 * args.repeats)
+            rows.append(_row(name, 0, g, 1, [seconds]))
     for row in rows:
         base = next(r for r in rows if r["mode"] == row["mode"] and r["gamma"] == row["gamma"] and r["groups"] == 1)
         row["per_group_vs_batch_1"] = row["together_ms_per_group"] / base["together_ms_per_group"]
@@ -135,16 +179,16 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    for (mode, gamma), marker in zip(sorted({(r["mode"], r["gamma"]) for r in result["rows"]}), "osd^v<>"):
+    for (mode, gamma), marker in zip(sorted({(r["mode"], r["gamma"]) for r in result["rows"]}), "osd^v<>ph*"):
         rows = [r for r in result["rows"] if r["mode"] == mode and r["gamma"] == gamma]
         ax.plot([r["groups"] for r in rows], [r["together_ms_per_group"] for r in rows], marker=marker,
                 label=f"{mode}, γ {gamma}: together")
         ax.plot([r["groups"] for r in rows], [r["one_by_one_ms_per_group"] for r in rows], marker=marker,
                 linestyle=":", color=ax.lines[-1].get_color())
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("groups verified in the step")
+    ax.set_xlabel("groups decided in the step (γ 0: a beam step)")
     ax.set_ylabel("ms per group (dotted: one at a time)")
-    ax.set_title(f"Verification decisions, W 4, V {result['vocab']}, {result['threads']} thread(s), CPU", fontsize=9)
+    ax.set_title(f"Step decisions, W 4, V {result['vocab']}, {result['threads']} thread(s), CPU", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
