@@ -32,8 +32,9 @@ from torch import Tensor
 from vllm_dsbd.algorithm import beam_search_step, finishing_tokens, joint_probs, sample_joint, tempered_logprobs
 from vllm_dsbd.algorithm.joint import CandidateFinishes
 from vllm_dsbd.engine import streams
-from vllm_dsbd.engine.protocol import BeamChoice, GroupDecision, GroupDecoding, GroupStep, TokenLogprob
+from vllm_dsbd.engine.protocol import BeamChoice, GroupDecision, GroupDecoding, GroupStep
 from vllm_dsbd.engine.stops import StopCheckers
+from vllm_dsbd.engine.verify_step import token_logprobs
 
 
 def group_generator(seed: int, step: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -146,24 +147,15 @@ def _choices(raw: Tensor, parents: Tensor, tokens: Tensor, scores: Tensor, keep:
              asked: list[int]) -> list[list[BeamChoice]]:
     """Per group, BeamChoices for its kept entries; raw: [G, B, V] untempered log-probs of the beams,
     parents / tokens / scores / keep: [G, N]; asked: each group's ``num_logprobs``. Every group's choices
-    are read in one gather (their ranks and top-k, when asked for, in one pass over their rows)."""
+    are read together (``verify_step.token_logprobs``)."""
     out: list[list[BeamChoice]] = [[] for _ in asked]
     group, entry = keep.nonzero(as_tuple=True)
     if group.numel() == 0:
         return out
     parents, tokens, scores = parents[group, entry], tokens[group, entry], scores[group, entry]
-    most = max(asked)
-    if most < 0:  # the log-probs alone: no row is copied
-        token_lp, ranks = raw[group, parents, tokens], None
-    else:
-        rows = raw[group, parents]  # [K, V]
-        token_lp = rows.gather(1, tokens[:, None])[:, 0]
-        ranks = ((rows > token_lp[:, None]).sum(-1) + 1).tolist()  # a pass over V per choice
-    tops = {n: rows.topk(n, dim=-1) for n in set(asked) if n > 0}
-    tops = {n: (t.indices.tolist(), t.values.tolist()) for n, t in tops.items()}
-    for i, (k, p, t, s, lp) in enumerate(zip(group.tolist(), parents.tolist(), tokens.tolist(), scores.tolist(),
-                                             token_lp.tolist())):
-        n = asked[k]
-        extra = (tuple(tops[n][0][i]), tuple(tops[n][1][i])) if n > 0 else ((), ())
-        out[k].append(BeamChoice(p, t, s, TokenLogprob(lp, ranks[i] if n >= 0 else 0, *extra)))
+    groups = group.tolist()
+    logprobs = token_logprobs(raw.reshape(-1, raw.shape[-1]), group * raw.shape[1] + parents, tokens,
+                              [asked[k] for k in groups])
+    for k, p, t, s, lp in zip(groups, parents.tolist(), tokens.tolist(), scores.tolist(), logprobs):
+        out[k].append(BeamChoice(p, t, s, lp))
     return out

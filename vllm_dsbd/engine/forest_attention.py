@@ -184,34 +184,25 @@ class ForestAttentionImpl:
         # contexts), then the scratch rows its rows name (ancestors and themselves). Every segment is one batch
         # entry of one attention call (padded to the longest), each row masked to its context and its chain,
         # so a call's cost grows with the contexts, not with their square.
-        context_of = [(id(rows.block_tables[r]), rows.context_lens[r]) for r in range(num)]
-        segments: dict[tuple[int, int], list[int]] = {}
-        for r, context in enumerate(context_of):
-            segments.setdefault(context, []).append(r)
+        segments: dict[tuple[int, int], list[int]] = {}  # a context (its blocks, its length): its rows
+        for r in range(num):
+            segments.setdefault((id(rows.block_tables[r]), rows.context_lens[r]), []).append(r)
         firsts = [members[0] for members in segments.values()]
         ctx_k, ctx_v, starts = self._reader.read(kv_cache, [rows.block_tables[r] for r in firsts],
                                                  [rows.context_lens[r] for r in firsts])
         scratch_k = torch.stack(rows.scratch.keys[self.layer_name])  # [S, kvh, hd]
         scratch_v = torch.stack(rows.scratch.values[self.layer_name])
         width = ctx_k.shape[0]
-        keys_of, masks = _segment_keys(segments, starts, width, rows.ancestors, ids)
-        index = np.zeros((len(segments), max(len(k) for k in keys_of)), dtype=np.int64)
-        num_rows = max(len(m) for m in segments.values())
-        mask = np.zeros((len(segments), num_rows, index.shape[1]), dtype=bool)
-        mask[:, :, 0] = True  # a padded query row reads one key (its output is never used)
-        where = np.zeros(num, dtype=np.int64)  # each row's place in the [segments x rows] output
-        for s, (members, keys, seg_mask) in enumerate(zip(segments.values(), keys_of, masks)):
-            index[s, :len(keys)] = keys
-            mask[s, :len(members), :len(keys)] = seg_mask
-            where[members] = s * num_rows + np.arange(len(members))
+        index, mask, where = _segments(list(segments.items()), starts, width, rows.ancestors, ids)
+        num_segments, num_rows = mask.shape[:2]
         device = key.device
         index, where = torch.from_numpy(index).to(device), torch.from_numpy(where).to(device)
-        query_rows = torch.zeros(len(segments) * num_rows, dtype=torch.long, device=device)
+        query_rows = torch.zeros(num_segments * num_rows, dtype=torch.long, device=device)
         query_rows[where] = torch.arange(num, device=device)
         all_k = torch.cat([ctx_k, scratch_k.to(ctx_k.dtype)])  # [T, kvh, hd]
         all_v = torch.cat([ctx_v, scratch_v.to(ctx_v.dtype)])
         attended = torch.nn.functional.scaled_dot_product_attention(
-            q[query_rows].view(len(segments), num_rows, inner.num_heads, inner.head_size).transpose(1, 2).float(),
+            q[query_rows].view(num_segments, num_rows, inner.num_heads, inner.head_size).transpose(1, 2).float(),
             all_k[index].transpose(1, 2).float(), all_v[index].transpose(1, 2).float(),
             attn_mask=torch.from_numpy(mask).to(device)[:, None], scale=inner.scale,
             enable_gqa=inner.num_heads != inner.num_kv_heads)  # [segments, heads, rows, hd]
@@ -222,22 +213,29 @@ class ForestAttentionImpl:
         return output
 
 
-def _segment_keys(segments: dict, starts: list[int], width: int, ancestors: list[list[int]],
-                  ids: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per segment (a context and its rows, in order; ``starts``: where each context's keys begin in the
-    gathered contexts, the scratch rows after them, from ``width``): the key rows it reads, its context's
-    first, then the scratch rows its rows name; and its rows' mask over them (context, ancestors, self)."""
-    keys_of, masks = [], []
-    for ((_, length), members), start in zip(segments.items(), starts):
-        named = sorted({a for r in members for a in ancestors[r]} | {ids[r] for r in members})
-        place = {a: length + j for j, a in enumerate(named)}
-        keys_of.append(np.concatenate([np.arange(start, start + length), width + np.asarray(named, dtype=np.int64)]))
-        mask = np.zeros((len(members), length + len(named)), dtype=bool)
-        mask[:, :length] = True
+def _segments(segments: list[tuple[tuple[int, int], list[int]]], starts: list[int], width: int,
+              ancestors: list[list[int]], ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The batch entries of one call. ``segments``: per context ``(id, length)``, its rows in call order;
+    ``starts``: where each context's keys begin among the gathered contexts, the scratch rows following from
+    ``width``. Returns (index [S, K]: each segment's key rows, its context's first, then the scratch rows its
+    rows name; mask [S, R, K]: each row's context, ancestors and itself, a padded row reading key 0 (its
+    output is never used); where [rows]: each row's place in the [S x R] output), padded to the longest."""
+    named = [sorted({a for r in members for a in ancestors[r]} | {ids[r] for r in members}) for _, members in segments]
+    index = np.zeros((len(segments), max(length + len(n) for ((_, length), _), n in zip(segments, named))),
+                     dtype=np.int64)
+    num_rows = max(len(members) for _, members in segments)
+    mask = np.zeros((len(segments), num_rows, index.shape[1]), dtype=bool)
+    mask[:, :, 0] = True
+    where = np.zeros(len(ids), dtype=np.int64)
+    for s, (((_, length), members), start, scratch) in enumerate(zip(segments, starts, named)):
+        index[s, :length] = np.arange(start, start + length)
+        index[s, length:length + len(scratch)] = width + np.asarray(scratch, dtype=np.int64)
+        place = {a: length + j for j, a in enumerate(scratch)}
+        mask[s, :len(members), :length] = True
         for i, r in enumerate(members):
-            mask[i, [place[a] for a in ancestors[r]] + [place[ids[r]]]] = True
-        masks.append(mask)
-    return keys_of, masks
+            mask[s, i, [place[a] for a in ancestors[r]] + [place[ids[r]]]] = True
+        where[members] = s * num_rows + np.arange(len(members))
+    return index, mask, where
 
 
 def install(model: torch.nn.Module) -> list[str]:

@@ -286,22 +286,10 @@ def _reported_logprobs(raw: _RawRows, members: list[GroupInput],
     device = raw.table.device
     flat = torch.tensor([k * raw.nodes_per_group + node for k, node, _ in pairs], device=device)
     toks = torch.tensor([tok for _, _, tok in pairs], device=device)
-    asked = {g.vs.num_logprobs for g in members}
-    if max(asked) < 0 and not raw.lazy:  # the log-probs alone: no row is copied
-        lp, ranks = raw.table.reshape(-1)[flat * raw.table.shape[-1] + toks].tolist(), None
-    else:
-        rows = raw.rows(flat)
-        values = rows.gather(1, toks[:, None])  # [n, 1]
-        lp = values[:, 0].tolist()
-        ranks = ((rows > values).sum(-1) + 1).tolist() if max(asked) >= 0 else None
-    tops = {n: rows.topk(n) for n in asked if n > 0}
-    tops = {n: (t.indices.tolist(), t.values.tolist()) for n, t in tops.items()}
+    logprobs = token_logprobs(raw.table.reshape(-1, raw.table.shape[-1]), flat, toks,
+                              [members[k].vs.num_logprobs for k, _, _ in pairs], raw.lazy)
     for k, parent, token, chain in chains:
-        n = members[k].vs.num_logprobs
-        out[k][(parent, token)] = tuple(
-            TokenLogprob(lp[i], ranks[i] if n >= 0 else 0, *((tuple(tops[n][0][i]), tuple(tops[n][1][i]))
-                                                             if n > 0 else ((), ())))
-            for i in (index[(k, node, tok)] for node, tok in chain))
+        out[k][(parent, token)] = tuple(logprobs[index[(k, node, tok)]] for node, tok in chain)
     return out
 
 
@@ -318,17 +306,13 @@ def _chain(vs: VerifyStep, parent_node: int, token: int, width: int) -> tuple[tu
 
 
 class _RawRows:
-    """The raw (untempered) log-probs of a bucket's nodes, row by row: ``table`` [G, γ+1, W, V] is them, or with
-    ``lazy`` the logits whose ``log_softmax`` only the rows asked for get (``T`` neither 0 nor 1: verification
-    read the tempered log-probs; the raw ones are reported for the chosen tokens' few nodes)."""
+    """The raw (untempered) log-probs of a bucket's nodes: ``table`` [G, γ+1, W, V] is them, or with ``lazy``
+    the logits whose ``log_softmax`` only the rows asked for get (``T`` neither 0 nor 1: verification read
+    the tempered log-probs; the raw ones are reported for the chosen tokens' few nodes)."""
 
     def __init__(self, table: Tensor, lazy: bool = False) -> None:
         self.table, self.lazy = table, lazy
         self.nodes_per_group = table.shape[1] * table.shape[2]
-
-    def rows(self, flat_rows: Tensor) -> Tensor:
-        rows = self.table.reshape(-1, self.table.shape[-1])[flat_rows]
-        return torch.log_softmax(rows, dim=-1) if self.lazy else rows
 
 
 def node_completes(vs: VerifyStep, stops: StopCheckers | None):
@@ -373,3 +357,26 @@ def token_logprob(row: Tensor, token: int, num_logprobs: int) -> TokenLogprob:
         vals, ids = row.topk(num_logprobs)
         top = (tuple(ids.tolist()), tuple(vals.tolist()))
     return TokenLogprob(lp, rank, *top)
+
+
+def token_logprobs(table: Tensor, flat_rows: Tensor, tokens: Tensor, asked: Sequence[int],
+                   lazy: bool = False) -> list[TokenLogprob]:
+    """:func:`token_logprob` of many entries at once: entry i is ``tokens[i]`` in row ``flat_rows[i]`` of
+    ``table`` [R, V] (raw log-probs; ``lazy``: logits, each row read is log-softmaxed), reported as its
+    ``asked[i]`` (a ``num_logprobs``) says. One gather for every entry; the rows are copied, and ranks and
+    top-k taken in one pass over them, only when some entry asks for them (or ``lazy``)."""
+    most = max(asked, default=-1)
+    if most < 0 and not lazy:  # the log-probs alone: no row is copied
+        lp, ranks, rows = table.reshape(-1)[flat_rows * table.shape[-1] + tokens].tolist(), None, None
+    else:
+        rows = table[flat_rows]
+        if lazy:
+            rows = torch.log_softmax(rows, dim=-1)
+        values = rows.gather(1, tokens[:, None])  # [n, 1]
+        lp = values[:, 0].tolist()
+        ranks = ((rows > values).sum(-1) + 1).tolist() if most >= 0 else None  # a pass over V per entry
+    tops = {n: rows.topk(n, dim=-1) for n in set(asked) if n > 0}
+    tops = {n: (t.indices.tolist(), t.values.tolist()) for n, t in tops.items()}
+    return [TokenLogprob(lp[i], ranks[i] if n >= 0 else 0,
+                         *((tuple(tops[n][0][i]), tuple(tops[n][1][i])) if n > 0 else ((), ())))
+            for i, n in enumerate(asked)]
