@@ -62,7 +62,7 @@ def test_beam_sampling_top_k_logprobs_are_raw_not_tempered(dsbd_tiny_llm):
 def test_dsbd_top_k_logprobs_equal_plain_requests(dsbd_tiny_spec_llm, dsbd_tiny_llm):
     from vllm import SamplingParams
 
-    for temperature in (0.0, 1.0):
+    for temperature in (0.0, 1.0, 0.6):  # 0.6: the raw log-probs come from tempered verification's logits
         params = SamplingParams(n=2, temperature=temperature, max_tokens=7, seed=1, logprobs=K,
                                 extra_args={"beam_width": 4, "num_speculative_tokens": 2})
         _check_against_plain(dsbd_tiny_spec_llm, dsbd_tiny_llm, params)
