@@ -300,6 +300,7 @@ class BeamSearchStep:
     finished_cum_logprobs: Tensor  # [G, B*K] float64
     finished_valid: Tensor  # [G, B*K] bool
     finished_tokens: Tensor  # [G, B*K] the token each finished candidate ends with (EOS or a stop token)
+    scores: Tensor | None = None  # [G, W] float64: the new beams' ``beam_search_score`` (the rank's key)
 
 
 def beam_search_score(cum_logprobs: Tensor, seq_lens: Tensor, ends_with_eos: Tensor, length_penalty: Tensor) -> Tensor:
@@ -402,12 +403,14 @@ def beam_search_step(
     order = order.gather(-1, torch.sort((~live).gather(-1, order).to(torch.uint8), dim=-1, stable=True).indices)
     top = order[:, :beam_width]
     pad = beam_width - top.shape[1]
-    new_parents, new_tokens, new_cum, new_valid = (t.gather(-1, top) for t in (parents, toks, cum, live))
+    new_parents, new_tokens, new_cum, new_valid, new_score = (
+        t.gather(-1, top) for t in (parents, toks, cum, live, score))
     if pad > 0:  # fewer candidates than W in all (tiny vocabularies)
         new_parents, new_tokens, new_valid = (
             torch.cat([t, t.new_zeros(num_groups, pad)], dim=-1) for t in (new_parents, new_tokens, new_valid)
         )
-        new_cum = torch.cat([new_cum, new_cum.new_full((num_groups, pad), float("-inf"))], dim=-1)
+        new_cum, new_score = (torch.cat([t, t.new_full((num_groups, pad), float("-inf"))], dim=-1)
+                              for t in (new_cum, new_score))
     return BeamSearchStep(
         parents=new_parents,
         tokens=new_tokens,
@@ -417,4 +420,5 @@ def beam_search_step(
         finished_cum_logprobs=cum,
         finished_valid=finished,
         finished_tokens=toks,
+        scores=new_score,
     )

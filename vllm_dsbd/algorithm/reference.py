@@ -400,6 +400,16 @@ def _sampling_iteration(target_fn: LogitsFn, draft_fn: LogitsFn | None, batch: l
         g.widths.append(widths[a][: min(passed + 1, num_layers[a])])
 
 
+def _prune_floor(g: _Group, params: DecodeParams) -> float:
+    """``verify_forest_greedy``'s ``prune_floor``: +inf when no hypothesis can finish; else the ``n``-th best
+    finished score so far (-inf with fewer, or when every hypothesis is returned)."""
+    if not ((params.eos_token_id is not None and not params.ignore_eos) or params.stop_token_ids
+            or params.stop_fn is not None):
+        return float("inf")
+    scores = sorted((_score(seq, cum, params, True) for seq, cum in g.finished), reverse=True)
+    return scores[params.n - 1] if params.n is not None and len(scores) >= params.n else float("-inf")
+
+
 def _greedy_iteration(target_fn: LogitsFn, draft_fn: LogitsFn | None, batch: list[_Group],
                       params: DecodeParams, vocab: int) -> None:
     num_groups, width, gamma = len(batch), params.beam_width, params.num_speculative_tokens
@@ -427,7 +437,8 @@ def _greedy_iteration(target_fn: LogitsFn, draft_fn: LogitsFn | None, batch: lis
     target_lp = _node_logprobs(target_fn, layer_seqs, torch.stack(node_ok, 1), vocab, 0.0)
     res = verify_forest_greedy(target_lp, roots.scores, roots.valid, draft_parents, draft_tokens, draft_exists,
                                roots.num_layers, seq_lens, width, params.eos_token_id, ignore_eos, length_penalty,
-                               params.stop_token_ids, _node_finishes(batch, layer_seqs, params))
+                               params.stop_token_ids, _node_finishes(batch, layer_seqs, params),
+                               torch.tensor([_prune_floor(g, params) for g in batch], dtype=torch.float64))
 
     num_passed = res.num_passed.tolist()
     fin_parent, fin_cum = res.finished_parent.tolist(), res.finished_cum_logprob.tolist()

@@ -326,8 +326,19 @@ class BeamGroup:
             width_threshold=1.0 if p.temperature == 0 else p.width_threshold, min_width=p.min_width,
             num_logprobs=p.num_logprobs, tails=self.tails(self.beams), mjsd_tau=p.mjsd_tau,
             draft_next=self.draft_next if self.draft_in_step else 0,
-            max_tokens_left=p.max_tokens - self.num_generated,
+            max_tokens_left=p.max_tokens - self.num_generated, prune_floor=self.prune_floor(),
         )
+
+    def prune_floor(self) -> float:
+        """The score a hypothesis must beat to reach the results: the ``n``-th best finished so far (-inf with
+        fewer); +inf when no beam can finish (``ignore_eos`` or no EOS, no stop tokens or strings). At T 0 a
+        target beam the draft missed may be left out if nothing it could finish scores above it."""
+        p = self.params
+        if not ((p.eos_token_id is not None and not p.ignore_eos) or p.stop_token_ids or p.stop):
+            return float("inf")
+        if len(self.finished) < p.n:
+            return float("-inf")
+        return sorted((h.score for h in self.finished), reverse=True)[p.n - 1]
 
     def node_path(self, node: int) -> tuple[int, list[int]]:
         """(root slot, tokens from the root to ``node``) of a forest node id."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 PLAN_ATTR = "dsbd_plan"
 RESULT_ATTR = "dsbd_result"
@@ -126,6 +126,10 @@ class VerifyStep(GroupDecoding):
     """γ of the next iteration, drafted by the runner right after this verification (an EAGLE-3 head with
     ``draft_in_step``; ``engine.forest_draft``), cut to ``max_tokens_left``; 0: by draft steps, as before."""
     max_tokens_left: int = 0  # max_tokens - generated before this iteration (with draft_next)
+    prune_floor: float = float("-inf")
+    """T 0: ``algorithm.verify_forest_greedy``'s ``prune_floor``, the score below which a beam's finished
+    hypotheses cannot reach the group's results (``BeamGroup.prune_floor``); -inf leaves out no beam that could
+    finish one."""
 
     def path_tokens(self, path: int, depth: int) -> list[int]:
         """The draft tokens of ``paths[path]`` at layers 1..depth (the tokens it verified up to that depth)."""

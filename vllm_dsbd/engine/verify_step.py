@@ -123,7 +123,8 @@ def _verify_bucket(logits: Tensor, members: list[GroupInput], stops: StopChecker
             table, root_scores, root_valid, parents, tokens, exists, layers,
             torch.tensor([g.vs.seq_len for g in members], device=device), width, first.eos_token_id, ignore_eos,
             torch.tensor([g.vs.length_penalty for g in members], dtype=torch.float64, device=device),
-            first.stop_token_ids, finishes)
+            first.stop_token_ids, finishes,
+            torch.tensor([g.vs.prune_floor for g in members], dtype=torch.float64, device=device))
         picks = _greedy_picks(res, members)
     reported = _reported_logprobs(raw, members, picks)
     return {g.vs.group_id: pick.decision(g.vs, ends, lps)
@@ -201,8 +202,8 @@ class _Pick:
     num_layers: int
     finished: list[tuple[int, int, float]]
     beams: list[tuple[int, int, float]]
-    widths: list[int] | None  # T > 0: live accepted drafts of each passed layer; None at T 0 (all proposed)
-    accepted: list[int] | None  # T > 0: accepted drafts per layer
+    widths: list[int] | None  # T > 0: live accepted drafts of each passed layer; None at T 0 (the accepted)
+    accepted: list[int]  # accepted drafts per layer (T 0: per passed layer, the target's beams among them)
 
     def choices(self) -> list[tuple[int, int]]:
         return [(p, t) for p, t, _ in self.finished + self.beams]
@@ -214,10 +215,10 @@ class _Pick:
         proposed = [sum(layer) for layer in vs.draft_exists]
         verified = min(self.num_passed + 1, self.num_layers)
         finished = [choice(*f) for f in self.finished]
-        if self.widths is None:  # T 0: a passed layer's nodes are the target's live top-W beams
+        if self.widths is None:  # T 0: a passed layer's accepted nodes are the target's live top-W beams
             beams = [choice(*b) for b in self.beams]
-            accepted = [proposed[i] if i < self.num_passed else 0 for i in range(verified)]
-            widths = proposed[: self.num_passed] + [len(beams)]
+            accepted = (self.accepted + [0] * verified)[:verified]
+            widths = self.accepted[: self.num_passed] + [len(beams)]
         else:
             beams = []
             for c in (choice(*b) for b in self.beams):
@@ -255,6 +256,7 @@ def _sampled_picks(res, members: list[GroupInput], ends_of) -> list[_Pick]:
 def _greedy_picks(res, members: list[GroupInput]) -> list[_Pick]:
     width = members[0].vs.beam_width
     num_passed = res.num_passed.tolist()
+    accepted = (res.beam_nodes >= 0).sum(-1).tolist()  # [G, γ]: a layer passed with some beams left out accepts fewer
     f_parent, f_cum = res.finished_parent.tolist(), res.finished_cum_logprob.tolist()
     f_valid, f_token = res.finished_valid.tolist(), res.finished_token.tolist()
     o_parent, o_token = res.out_parent.tolist(), res.out_token.tolist()
@@ -267,7 +269,7 @@ def _greedy_picks(res, members: list[GroupInput]) -> list[_Pick]:
                     for p, c, ok, t in zip(f_parent[k][i], f_cum[k][i], f_valid[k][i], f_token[k][i]) if ok]
         beams = [(node_id(passed, p, width), t, c)
                  for p, t, c, ok in zip(o_parent[k], o_token[k], o_cum[k], o_valid[k]) if ok]
-        picks.append(_Pick(passed, len(g.vs.draft_parents), finished, beams, None, None))
+        picks.append(_Pick(passed, len(g.vs.draft_parents), finished, beams, None, accepted[k][:passed]))
     return picks
 
 
