@@ -1,16 +1,19 @@
-"""How often a draft layer passes verification, today and under the exact rules not built yet.
+"""How often a draft layer passes verification, today and under other exact rules.
 
 Measures before building (the exact modes that pass more layers): a DSBD engine (default pair with the
 shipped head drafting in-step, or ``--draft``) decodes chat prompts at T 0 and at T 1 with fixed width, and
 every verification the runner makes is analysed as it happens (in-process engine: the runner's
 ``verify_step.verify_groups`` and ``spec_step.draft_layers`` are wrapped; decisions are unchanged):
 
-- **today**: the layers the engine passed (T 0: a layer passes only if each of the target's W new beams is
-  a draft node; fixed width: W of W drafts accepted);
+- **today**: the layers the engine passed (T 0: a layer passes if each of the target's W new beams is a
+  draft node or is left out by the engine's bound, docs/algorithm.md; fixed width: W of W drafts accepted).
+  Results recorded before the engine had the bound (``layer-pass``, ``layer-pass-qwen``) count draft nodes
+  only;
 - **bound (T 0)**: a target beam the draft missed may be left out when its cumulative log-prob is strictly
   below the W-th best candidate among the drafted beams' children (log-probs are <= 0, so none of its
   children can rank): the layers that would pass so, computed exactly from the forest's target logits
-  (EOS hypotheses of left-out beams are not resolved here: the outputs run with ``ignore_eos``);
+  (EOS hypotheses of left-out beams are not resolved here: the outputs run with ``ignore_eos``). With
+  ``ignore_eos`` the engine's rule is this one, so today and bound agree;
 - **M drafts (layer 1)**: with M = W + 2 and 2W draft nodes instead of W: at T 0 whether the target's W
   beams are among the draft's top M (the draft's beam search at width M from the same logits); at fixed
   width the probability that at least W of M i.i.d. drafts are accepted (the acceptance chain's count
