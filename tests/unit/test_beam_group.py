@@ -269,3 +269,19 @@ def test_layers_drafted_inside_the_verify_step_set_up_the_forest_at_once():
     refused.start_iteration(1)
     with pytest.raises(RuntimeError, match="2 drafted layers for an iteration of 1"):
         refused.apply_drafted(layers)
+
+
+def test_prune_floor_is_the_nth_best_finished_score_or_infinite_when_nothing_can_finish():
+    """T 0's bound may leave out a beam whose finished children score below this: the n-th best hypothesis
+    so far (its score, as the results rank it); -inf with fewer than n; +inf when no beam can finish."""
+    group, _ = three_beam_group(n=2, length_penalty=1.0)
+    assert group.prune_floor() == float("-inf")
+    group.apply(decision([(0, 5, -1.5), (1, 6, -2.5), (2, 7, -3.0)], finished=[(0, EOS, -2.0)]))
+    assert group.prune_floor() == float("-inf")  # one of n = 2
+    group.apply(decision([(0, 8, -1.9), (1, 9, -2.9), (2, 3, -3.5)], finished=[(1, EOS, -2.6)]))
+    assert group.prune_floor() == pytest.approx(-2.6 / 6)  # prompt 4 + 3 tokens, less the EOS
+    assert [h.score for h in group.finished] == [pytest.approx(-2.0 / 5), pytest.approx(-2.6 / 6)]
+    assert three_beam_group(ignore_eos=True)[0].prune_floor() == float("inf")
+    assert three_beam_group(eos_token_id=None)[0].prune_floor() == float("inf")
+    assert three_beam_group(ignore_eos=True, stop_token_ids=(7,))[0].prune_floor() == float("-inf")
+    assert three_beam_group(ignore_eos=True, stop=("end",))[0].prune_floor() == float("-inf")
