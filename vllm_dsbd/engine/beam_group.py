@@ -326,7 +326,8 @@ class BeamGroup:
             width_threshold=1.0 if p.temperature == 0 else p.width_threshold, min_width=p.min_width,
             num_logprobs=p.num_logprobs, tails=self.tails(self.beams), mjsd_tau=p.mjsd_tau,
             draft_next=self.draft_next if self.draft_in_step else 0,
-            max_tokens_left=p.max_tokens - self.num_generated, prune_floor=self.prune_floor(),
+            max_tokens_left=p.max_tokens - self.num_generated,
+            prune_floor=self.prune_floor() if p.temperature == 0 else float("-inf"),
         )
 
     def prune_floor(self) -> float:

@@ -215,10 +215,10 @@ class _Pick:
         proposed = [sum(layer) for layer in vs.draft_exists]
         verified = min(self.num_passed + 1, self.num_layers)
         finished = [choice(*f) for f in self.finished]
-        if self.widths is None:  # T 0: a passed layer's accepted nodes are the target's live top-W beams
+        if self.widths is None:  # T 0: a passed layer's accepted nodes are the target's beams among its drafts
             beams = [choice(*b) for b in self.beams]
             accepted = (self.accepted + [0] * verified)[:verified]
-            widths = self.accepted[: self.num_passed] + [len(beams)]
+            widths = proposed[: self.num_passed] + [len(beams)]  # the target's width, a left-out beam included
         else:
             beams = []
             for c in (choice(*b) for b in self.beams):
