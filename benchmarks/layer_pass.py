@@ -13,7 +13,8 @@ every verification the runner makes is analysed as it happens (in-process engine
   below the W-th best candidate among the drafted beams' children (log-probs are <= 0, so none of its
   children can rank): the layers that would pass so, computed exactly from the forest's target logits
   (EOS hypotheses of left-out beams are not resolved here: the outputs run with ``ignore_eos``). With
-  ``ignore_eos`` the engine's rule is this one, so today and bound agree;
+  ``ignore_eos`` the engine's rule is this one but for how it ranks (length-penalised scores, as vLLM
+  does), so today and bound nearly agree;
 - **M drafts (layer 1)**: with M = W + 2 and 2W draft nodes instead of W: at T 0 whether the target's W
   beams are among the draft's top M (the draft's beam search at width M from the same logits); at fixed
   width the probability that at least W of M i.i.d. drafts are accepted (the acceptance chain's count

@@ -193,22 +193,19 @@ def _verify(rule, table: torch.Tensor, floor: float, eos: int | None = None):
                 torch.tensor([1.0], dtype=torch.float64), (), None, torch.tensor([floor], dtype=torch.float64))
 
 
-def _tie_table(eos_in_step_2: bool) -> torch.Tensor:
-    """The tie case's target log-probs, as ``_verify`` takes them; optionally beam 1 ends with EOS (15) at .1."""
+def _tie_table_with_eos() -> torch.Tensor:
+    """The tie case's target log-probs, as ``_verify`` takes them, with beam 1 ending in EOS (15) at p .1."""
     target, _ = _tie_case()
     rows = torch.log_softmax(target.table, -1)
-    root = rows[0]
-    first = rows[1].clone()
-    if eos_in_step_2:
-        first = torch.full((16,), -30.0)
-        first[5], first[6], first[15] = math.log(.45), math.log(.45), math.log(.1)
-    return torch.stack([torch.stack([root, root, root]), torch.stack([first, rows[3], rows[4]])])
+    first = torch.full((16,), -30.0)
+    first[5], first[6], first[15] = math.log(.45), math.log(.45), math.log(.1)
+    return torch.stack([torch.stack([rows[0]] * 3), torch.stack([first, rows[3], rows[4]])])
 
 
 def test_a_left_out_beam_whose_check_fails_drops_the_next_steps_hypotheses():
     """The tie case with EOS in step 2 and a floor that lets beam 2 go: (b) fails (the tie), so layer 1 did not
     pass and step 2's EOS hypothesis never was. Planted: the rolled-back step's hypotheses kept."""
-    table = _tie_table(eos_in_step_2=True)
+    table = _tie_table_with_eos()
     res = _verify(verify_greedy.verify_forest_greedy, table, floor=0.0, eos=15)
     assert res.num_passed.tolist() == [0] and not res.finished_valid[0, 1].any()
     assert res.out_token[0].tolist() == [1, 2, 3]  # step 1's beams, the missed one included

@@ -335,7 +335,7 @@ class BeamGroup:
         fewer); +inf when no beam can finish (``ignore_eos`` or no EOS, no stop tokens or strings). At T 0 a
         target beam the draft missed may be left out if nothing it could finish scores above it."""
         p = self.params
-        if not ((p.eos_token_id is not None and not p.ignore_eos) or p.stop_token_ids or p.stop):
+        if p.finishing_token is None and not p.stop_token_ids and not p.stop:
             return float("inf")
         if len(self.finished) < p.n:
             return float("-inf")

@@ -202,7 +202,7 @@ class _Pick:
     num_layers: int
     finished: list[tuple[int, int, float]]
     beams: list[tuple[int, int, float]]
-    widths: list[int] | None  # T > 0: live accepted drafts of each passed layer; None at T 0 (the accepted)
+    widths: list[int] | None  # T > 0: live accepted drafts of each passed layer; None at T 0 (the target's)
     accepted: list[int]  # accepted drafts per layer (T 0: per passed layer, the target's beams among them)
 
     def choices(self) -> list[tuple[int, int]]:
