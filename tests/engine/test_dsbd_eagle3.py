@@ -218,23 +218,106 @@ def test_a_head_reads_the_feature_of_the_position_before_each_token(permutation_
     assert_the_permutation_head_is_right_after_each_prompt(permutation_llm)
 
 
-@pytest.mark.parametrize("in_step", [True, False], ids=["in-step", "draft-steps"])
-def test_a_head_in_a_compiled_engine_drafts_as_in_an_eager_one(engine_pool, tiny_pair, tmp_path_factory, in_step):
-    """vLLM's default mode compiles the model; the head's forwards change with every step (forest attention,
-    the step's features) and a compiled graph freezes the Python state it read while tracing, so the head runs
-    eager beside the compiled target (``eagle3.run_eager``). Compiled, the shipped head's beam layers per verify
-    step fell from 1.12 to 1.01 (T 0, γ 1, W 4; outputs unchanged). The permutation head, whose layer adds
-    nothing, drafts right either way: the check that fails on the code before is the head's modules' mode."""
+def _compiled(model) -> list[bool]:
+    """Whether each ``@support_torch_compile`` module of ``model`` runs compiled."""
+    return [not m.do_not_compile for m in model.modules() if hasattr(m, "do_not_compile")]
+
+
+@pytest.fixture
+def compiled_permutation_llm(engine_pool, tiny_pair, tmp_path_factory):
+    """The permutation pair in vLLM's default compiled mode, drafting inside the verify step."""
     from beam_checks import start_permutation_llm  # tests/engine/beam_checks.py
 
-    name = f"compiled_permutation_llm_{'in_step' if in_step else 'draft_steps'}"
-    llm = engine_pool.get(name, lambda: start_permutation_llm(
-        tiny_pair.target, tmp_path_factory.mktemp(name), knobs={"draft_in_step": in_step}, enforce_eager=False))
-    assert llm.llm_engine.vllm_config.model_config.enforce_eager is False
+    return engine_pool.get("compiled_permutation_llm", lambda: start_permutation_llm(
+        tiny_pair.target, tmp_path_factory.mktemp("compiled-permutation"), knobs={"draft_in_step": True},
+        enforce_eager=False))
+
+
+@pytest.fixture
+def compiled_in_step_llm(engine_pool, tiny_eos_target, heads):
+    """``in_step_llm`` in vLLM's default compiled mode."""
+    return engine_pool.get("compiled_in_step_llm", lambda: start_spec_llm(
+        tiny_eos_target, heads["speculators"], {}, knobs={"draft_in_step": True}, enforce_eager=False))
+
+
+def test_a_head_in_a_compiled_engine_reads_the_targets_features(compiled_permutation_llm):
+    """vLLM's default mode compiles the target and the head: the permutation head, which reads the next token
+    from the compiled target's features, drafts right after each prompt (drafting inside the verify step)."""
+    llm = compiled_permutation_llm
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    compiled = lambda model: [m.do_not_compile for m in model.modules() if hasattr(m, "do_not_compile")]  # noqa: E731
-    assert compiled(runner.model) == [False] and compiled(runner.drafter.model) == [True]
+    assert llm.llm_engine.vllm_config.model_config.enforce_eager is False
+    assert _compiled(runner.model) == [True] and _compiled(runner.drafter.model) == [True]
     assert_the_permutation_head_is_right_after_each_prompt(llm)
+
+
+class _EagerBesideCompiled:
+    """Runs every head forward eager, then compiled on the same inputs (the compiled output goes on), and
+    records the largest difference. ``planted``: the compiled call gets int64 tokens (the bug that kept the
+    head eager until it was found: vLLM calls a compiled graph without guards, and the head's graph is traced
+    with vLLM's int32 input ids)."""
+
+    def __init__(self, runner, planted: bool = False) -> None:
+        self.head, self.planted, self.diffs = runner.drafter.model, planted, {"forest": [], "draft step": []}
+
+    def _mode(self, compiled: bool) -> None:
+        for m in self.head.modules():
+            if hasattr(m, "do_not_compile"):
+                m.do_not_compile = not compiled
+
+    def _both(self, kind: str, call, rollback, tokens_key: str, kwargs: dict):
+        self._mode(False)
+        eager = call(**kwargs)
+        rollback()
+        if self.planted:
+            kwargs = {**kwargs, tokens_key: kwargs[tokens_key].long()}
+        self._mode(True)
+        compiled = call(**kwargs)
+        scale = float(eager[0].abs().max())
+        self.diffs[kind].append(float((eager[0] - compiled[0]).abs().max()) / max(scale, 1.0))
+        return compiled
+
+    def forest(self, original):
+        def head_forward(head, names, config, tokens, positions, features, rows):
+            lengths = {name: len(keys) for name, keys in rows.scratch.keys.items()}
+
+            def rollback():  # the eager call's rows leave the scratch: the compiled call adds them again
+                for name in rows.scratch.keys:
+                    del rows.scratch.keys[name][lengths.get(name, 0):]
+                    del rows.scratch.values[name][lengths.get(name, 0):]
+
+            call = lambda **kw: original(head, names, config, rows=rows, **kw)  # noqa: E731
+            return self._both("forest", call, rollback, "tokens",
+                              {"tokens": tokens, "positions": positions, "features": features})
+        return head_forward
+
+    def draft_step(self, original):
+        def head_forward(**kwargs):  # its writes (features, paged KV) are written again by the compiled call
+            return self._both("draft step", original, lambda: None, "input_ids", kwargs)
+        return head_forward
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["as-built", "planted-int64-tokens"])
+def test_a_compiled_head_drafts_as_the_eager_head(compiled_in_step_llm, tiny_eos_llm, monkeypatch, planted):
+    """In vLLM's default compiled mode the head runs compiled, in draft steps and inside the verify step, and
+    its outputs equal its eager outputs on every call (a random head, whose output depends on every input;
+    float32). The same check rejects the head called with int64 tokens."""
+    from vllm_dsbd.engine import forest_attention
+
+    llm = compiled_in_step_llm
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    assert _compiled(runner.model) == [True] and _compiled(runner.drafter.model) == [True]
+    probe = _EagerBesideCompiled(runner, planted)
+    monkeypatch.setattr(forest_attention, "head_forward", probe.forest(forest_attention.head_forward))
+    monkeypatch.setattr(runner, "_head_forward", probe.draft_step(runner._head_forward))
+    got = llm.generate(PROMPTS, _beams(4, 2, 12), use_tqdm=False)
+    _assert_same_search(beam_search(tiny_eos_llm, PROMPTS, 4, 12), got)  # exact either way
+    # the prompts' first iterations draft together, in γ draft steps; each later one inside a verify step
+    assert len(probe.diffs["forest"]) >= 8 and len(probe.diffs["draft step"]) >= 2, probe.diffs
+    worst = {kind: max(diffs) for kind, diffs in probe.diffs.items()}
+    if planted:
+        assert min(worst.values()) > 1e-3, worst  # measured: 0.009 (forest), 0.97 (draft step)
+    else:
+        assert max(worst.values()) < 1e-5, worst  # measured: 1e-7 (float32)
 
 
 def test_the_heads_kv_of_accepted_drafts_is_recomputed_from_the_targets_features(permutation_llm):

@@ -187,19 +187,3 @@ def share_target_embeddings(head: Any, target: Any) -> bool:
         with torch.no_grad():
             own.weight.copy_(source.weight)
     return True
-
-
-def run_eager(head: Any) -> int:
-    """Run the head's forwards eager in a compiled engine; returns how many compiled modules it turned off.
-
-    vLLM compiles a ``@support_torch_compile`` module once and then calls the compiled code without
-    checking dynamo's guards, so Python state read during the trace is frozen into the graph. The head's
-    forwards here change with each step (forest attention over its own rows, the features of the step's
-    slots): compiled, its drafts were almost never accepted (measured: 1.01 beam layers per verify step at
-    T 0, γ 1, against 1.12 eager; outputs unchanged). The head is one layer; the target stays compiled."""
-    count = 0
-    for module in head.modules():
-        if getattr(module, "do_not_compile", True) is False:
-            module.do_not_compile = True
-            count += 1
-    return count

@@ -172,10 +172,11 @@ def draw(runner, jobs: list[Job]) -> None:
     features = runner._dsbd_features.read(torch.tensor(feature_slots, device=runner._dsbd_features.features.device))
     layer = 1
     while parts:
+        # the dtypes of vLLM's input buffers, which the head's compiled graph was traced with (head_forward)
         normed, own = forest_attention.head_forward(
             runner.drafter.model, runner._dsbd_forest_layers, runner.vllm_config,
-            torch.tensor(tokens, device=features.device), torch.tensor(positions, device=features.device),
-            features, rows)
+            torch.tensor(tokens, dtype=runner.input_ids.gpu.dtype, device=features.device),
+            torch.tensor(positions, dtype=runner.positions.dtype, device=features.device), features, rows)
         ends = [p.start for p in parts[1:]] + [len(tokens)]
         for part, end in zip(parts, ends):
             part.job.rows += end - part.start

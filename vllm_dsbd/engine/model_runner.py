@@ -33,6 +33,7 @@ need not do) lets a caller check that they do.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import pickle
 import time
@@ -114,7 +115,6 @@ class DSBDModelRunnerMixin:
             draft_head.install_reduced_head(drafter.model, ids)
             self._dsbd_support = spec_step.proposable_tokens(ids.to(self.device), vocab)
         if self._dsbd_head:
-            eagle3.run_eager(drafter.model)
             eagle3.share_target_embeddings(drafter.model, self.get_model())
             self._dsbd_support = spec_step.proposable_tokens(eagle3.draft_vocabulary(drafter.model), vocab)
             if self._dsbd_support is not None:
@@ -125,6 +125,9 @@ class DSBDModelRunnerMixin:
         models = [self.model] + ([drafter.model] if drafter is not None else [])
         for model in models:  # the logits are part of the forward in the step profile
             model.compute_logits = self._dsbd_profile.timed_forward(model.compute_logits)
+        # Objects the loading left in reference cycles go now, not while vLLM compiles: a oneDNN GEMM handler
+        # collected during tracing fails in its __del__ (a long traceback at engine start, nothing broken).
+        gc.collect()
 
     def _draft_support(self, logits):
         """The draft's proposable tokens for ``spec_step.draft_layers`` (None: all), checked against the draft's
