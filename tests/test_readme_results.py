@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-RUNS = {"A": "quick/summary.json", "B": "dsbd-head-12/dsbd.json", "C": "paired-quality-pooled/paired_quality.json"}
+RUNS = {"A": "quick/summary.json", "B": "dsbd-head-13/dsbd.json", "C": "paired-quality-pooled/paired_quality.json"}
 DECIMAL = re.compile(r"-?\d+\.\d+")
 
 

@@ -257,7 +257,7 @@ def head_forward(head: torch.nn.Module, layer_names: list[str], vllm_config: Any
     In a compiled engine the head is the graph vLLM traced at its first call (a draft step or warm-up) and
     calls without dynamo's guards: ``tokens`` and ``positions`` must have the dtypes of vLLM's input buffers
     (``input_ids`` int32, ``positions`` int64), ``features`` the feature cache's. (int64 tokens in a graph
-    traced with int32 ones read every other token as 0: measured, drafts almost never accepted.)"""
+    traced with int32 ones are read as wrong tokens, half of them 0: measured, drafts almost never accepted.)"""
     from vllm.forward_context import set_forward_context
 
     with set_forward_context({name: rows for name in layer_names}, vllm_config, num_tokens=tokens.shape[0],
