@@ -55,7 +55,12 @@ def _recorded_verifications(monkeypatch) -> list[tuple[list[torch.Tensor], objec
     return out
 
 
-def test_groups_verified_together_decide_as_each_alone(monkeypatch):
+@pytest.mark.parametrize("chunk", [None, 1, 3], ids=["budget", "chunks-of-1", "chunks-of-3"])
+def test_groups_verified_together_decide_as_each_alone(monkeypatch, chunk):
+    """Whatever groups share the pass, in whatever order and in chunks of whatever size (the budget's chunks
+    hold every group of these small-vocabulary forests)."""
+    if chunk is not None:
+        monkeypatch.setattr(verify_step, "_chunk_size", lambda members, vocab: chunk)
     records = _recorded_verifications(monkeypatch)
     depths = {len(vs.draft_parents) for _, vs, *_ in records}
     assert len(records) > 30 and len(depths) > 1  # several iterations each, forests of several depths
@@ -69,6 +74,24 @@ def test_groups_verified_together_decide_as_each_alone(monkeypatch):
         assert set(got) == {vs.group_id for _, vs, *_ in batch}
         for _, vs, _, _, want in batch:
             assert got[vs.group_id] == want, (trial, vs.group_id)
+
+
+@pytest.mark.parametrize("temperature, width, depth, groups", [
+    (1.0, 4, 1, 4), (1.0, 4, 2, 4), (0.0, 4, 1, 16), (0.0, 4, 2, 10), (0.0, 4, 0, 16), (0.0, 8, 1, 8)])
+def test_a_bucket_is_decided_in_chunks_whose_largest_buffer_fits_the_budget(temperature, width, depth, groups):
+    """V 49,152: at T > 0 the residual ladder [W + 1, G, W x V] float32 under 16 MiB; at T 0 the node logits
+    [G, γ + 1, W, V] float32 (at least the [G, W x V] float64 candidates) under 24 MiB; as many groups as fit."""
+    from types import SimpleNamespace
+
+    vocab = 49152
+    member = SimpleNamespace(vs=SimpleNamespace(beam_width=width, temperature=temperature,
+                                                draft_parents=[[0] * width] * depth))
+    shallow = SimpleNamespace(vs=SimpleNamespace(beam_width=width, temperature=temperature, draft_parents=[]))
+    size = verify_step._chunk_size([shallow, member], vocab)  # the bucket's deepest forest sets it
+    assert size == groups
+    per_group = ((width + 1) * width if temperature > 0 else max(depth + 1, 2) * width) * vocab * 4
+    budget = verify_step.CHUNK_BYTES if temperature > 0 else verify_step.GREEDY_CHUNK_BYTES
+    assert size * per_group <= budget < (size + 1) * per_group
 
 
 class _NoImplicitDevice(TorchFunctionMode):

@@ -36,6 +36,13 @@ under this: on CPU, larger buffers come from fresh ``mmap`` pages (glibc's thres
 ``engine.cpu_memory``), and 16 groups of W 4 at V 49,152 decided at once took 1.6x as long as one at a time;
 in chunks of 4, 0.78x (``benchmarks/bench_decisions.py``, fixed width, γ 2)."""
 
+GREEDY_CHUNK_BYTES = 24 << 20
+"""At T 0 there is no ladder: the largest buffers are the forest's node logits and their log-softmax
+([G, γ + 1, W, V] float32) and a layer's candidate scores ([G, W x V] float64), kept under this (below glibc's
+32 MiB threshold). The T 0 verifications of ``bench_decisions`` at 16 groups of W 4, V 49,152, one thread:
+γ 1 in one chunk (24 MiB) 0.90x the time of chunks of 4; γ 2 in chunks of 8-11 0.91-0.93x, in one (36 MiB)
+1.85x."""
+
 
 @dataclass
 class GroupInput:
@@ -70,11 +77,21 @@ def verify_groups(logits: Tensor, groups: Sequence[GroupInput],
     decisions: dict[str, VerifyDecision] = {}
     vocab = logits.shape[-1]
     for members in buckets.values():
-        width = members[0].vs.beam_width
-        size = max(1, CHUNK_BYTES // ((width + 1) * width * vocab * 4))
+        size = _chunk_size(members, vocab)
         for k in range(0, len(members), size):
             decisions.update(_verify_bucket(logits, members[k: k + size], stops))
     return decisions
+
+
+def _chunk_size(members: list[GroupInput], vocab: int) -> int:
+    """Groups of one bucket decided in one call: its largest buffer under ``CHUNK_BYTES`` (T > 0: the residual
+    ladder) or ``GREEDY_CHUNK_BYTES`` (T 0: the node logits at the bucket's deepest forest, or a layer's
+    float64 candidates)."""
+    width = members[0].vs.beam_width
+    if members[0].vs.temperature > 0:
+        return max(1, CHUNK_BYTES // ((width + 1) * width * vocab * 4))
+    layers = max(max(len(g.vs.draft_parents) for g in members) + 1, 2)
+    return max(1, GREEDY_CHUNK_BYTES // (layers * width * vocab * 4))
 
 
 def _bucket_key(g: GroupInput) -> tuple:
