@@ -607,3 +607,75 @@ def test_drafting_inside_the_verify_step_in_a_mixed_batch_and_without_leaks(in_s
         assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
     assert_kv_freed_after_finish_and_abort(in_step_llm, _beams(3, 3, 30, temperature=0.9, seed=1),
                                            lambda i: _beams(4, 3, 200, temperature=1.0, seed=i), "abort-in-step")
+
+
+def _wrong_beams_kv(store, width: int):
+    """A planted bug in the kept head KV's lookup: beam ``slot`` gets the next beam's K/V, unchecked."""
+    def take(group_id, step, slot, position, token):
+        kept_step, rows = store._kept.get(group_id, (None, {}))
+        row = rows.get((slot + 1) % width) if kept_step == step else None
+        return None if row is None else row[2]
+    return take
+
+
+def _same_layers(drawn: list, recomputed: list) -> bool:
+    """Whether two runs' drawn layers agree: per step and group (in the step's order; request ids differ between
+    runs), the same parents and tokens, scores to 1e-5."""
+    if len(drawn) != len(recomputed):
+        return False
+    for on, off in zip(drawn, recomputed):
+        if [len(layers) for _, _, layers in on] != [len(layers) for _, _, layers in off]:  # groups in step order
+            return False
+        for (_, _, layers_on), (_, _, layers_off) in zip(on, off):
+            for (p_on, t_on, s_on), (p_off, t_off, s_off) in zip(layers_on, layers_off):
+                if (p_on, t_on) != (p_off, t_off) or s_on != pytest.approx(s_off, abs=1e-5):
+                    return False
+    return True
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["as-built", "planted-wrong-beam"])
+def test_the_next_iteration_writes_the_kept_head_kv_of_its_roots_instead_of_computing_it(
+        inproc_in_step_llm, tiny_eos_llm, monkeypatch, planted):
+    """A verify step that draws the next forest computes the head's K/V of each new beam's last token (a forest
+    row written to no paged slot: sibling beams still share a request); the next iteration writes that K/V to
+    its chains' slots instead of computing the row again (``forest_draft.KeptHeadKV``). Against the same
+    engine with the lookup turned off (every chain recomputes its root's last token): the same drawn layers
+    (tokens, parents, scores to 1e-5), one head row fewer per chain that found its root kept, and the same
+    outputs (T 0: vLLM's beam search). The planted twin hands each chain the next beam's K/V: its drafts differ."""
+    from vllm_dsbd.engine import forest_draft
+
+    llm = inproc_in_step_llm
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    store = runner._dsbd_head_kv
+    draws, draw = [], forest_draft.draw
+
+    def recording_draw(runner, jobs):
+        draw(runner, jobs)
+        draws.append([(job.group.group_id, job.rows, [(d.parents, d.tokens, d.scores) for d in job.decisions])
+                      for job in jobs])
+
+    monkeypatch.setattr(forest_draft, "draw", recording_draw)
+    width, params = 4, [_beams(4, 2, 10), _beams(4, 1, 10, temperature=0.8, seed=5, ignore_eos=True)]
+    take = _wrong_beams_kv(store, width) if planted else store.take
+    runs, used = {}, []
+
+    def counting_take(*args):
+        found = take(*args)
+        used.extend([args] if found is not None else [])
+        return found
+
+    for mode in ("recompute", "kept"):
+        monkeypatch.setattr(store, "take", (lambda *args: None) if mode == "recompute" else counting_take)
+        draws.clear()
+        outs = [llm.generate(PROMPTS, p, use_tqdm=False) for p in params]
+        runs[mode] = list(draws), outs
+    (recomputed, outs_off), (drawn, outs_on) = runs["recompute"], runs["kept"]
+    rows = lambda run: sum(r for step in run for _, r, _ in step)  # noqa: E731
+    assert len(used) > 0 and rows(recomputed) - rows(drawn) == len(used), (len(used), rows(recomputed), rows(drawn))
+    if planted:
+        assert not _same_layers(drawn, recomputed)
+        return
+    assert _same_layers(drawn, recomputed)
+    _assert_same_search(beam_search(tiny_eos_llm, PROMPTS, width, 10), outs_on[0])
+    assert [[list(c.token_ids) for c in o.outputs] for o in outs_on[1]] == \
+        [[list(c.token_ids) for c in o.outputs] for o in outs_off[1]]

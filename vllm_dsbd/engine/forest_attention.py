@@ -143,6 +143,9 @@ class ForestRows:
     scratch: ScratchKV
     slots: list[int] | None = None  # per row: a paged KV slot its K/V is also written to (-1: none)
     row_ids: list[int] = field(default_factory=list)  # set by the call: this call's rows in ``scratch``
+    # per layer: (keys, values, slots) computed in an earlier step, written to their paged slots before any row
+    # reads its context (``forest_draft.KeptHeadKV``)
+    preset: dict[str, tuple[Tensor, Tensor, Tensor]] | None = None
 
 
 class ForestAttentionImpl:
@@ -171,6 +174,9 @@ class ForestAttentionImpl:
         if getattr(inner, "logits_soft_cap", 0) or getattr(inner, "sliding_window", -1) not in (-1, None) \
                 or getattr(inner, "alibi_slopes", None) is not None:
             raise NotImplementedError("forest attention supports plain causal attention only")
+        if rows.preset is not None and self.layer_name in rows.preset:
+            kept_k, kept_v, kept_slots = rows.preset[self.layer_name]
+            inner.do_kv_cache_update(layer, kept_k.to(key.dtype), kept_v.to(value.dtype), kv_cache, kept_slots)
         num = len(rows.context_lens)
         q = query[:num].view(num, inner.num_heads, inner.head_size)
         k = key[:num].view(num, inner.num_kv_heads, inner.head_size)

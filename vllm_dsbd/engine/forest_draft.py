@@ -12,7 +12,8 @@ shallow iteration never sends the group back to draft steps. The head runs on *f
   tokens; a beam step: the parent's tokens from where its head KV ends, ``GroupStep.draft_from``), each fed
   the target's feature of the token before it, their head KV also written to the chain request's slots
   (the next iteration's context); then each new beam's last token (the one the step drew), whose
-  ancestors are its chain's rows;
+  ancestors are its chain's rows. That last row's K/V is kept (:class:`KeptHeadKV`): the next iteration's
+  chain starts with the same token, and writes the kept K/V to its slot instead of computing it again;
 - layer k: each draft node of layer k - 1 that does not finish, fed the head's own output at its parent,
   its ancestors the rows above it;
 - each layer's W nodes are drawn by ``spec_step.draft_layers`` with the seed of the next iteration's draft
@@ -42,6 +43,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from vllm_dsbd.algorithm import token_finishes
 from vllm_dsbd.engine import eagle3, forest_attention, mjsd_step, spec_step
@@ -55,11 +57,44 @@ scheduler checks): a few after an iteration of depth 0, the whole prompt at a gr
 
 @dataclass
 class Chain:
-    """Tokens of one request whose head KV the drafting step computes (and writes), before the new beams."""
+    """Tokens of one request whose head KV the drafting step computes (and writes), before the new beams; and
+    ``kept``: the head's K/V of position ``start - 1`` per head layer, which the step before computed
+    (:class:`KeptHeadKV`) and this step writes to the request's slot before any row reads its context."""
 
     index: int  # the request's row in the runner's input batch
     start: int  # position of the first token; the head's paged KV is read below it
     tokens: list[int]
+    kept: dict[str, tuple[Tensor, Tensor]] | None = None
+
+
+KeptRow = tuple[int, int, dict[str, tuple[Tensor, Tensor]]]  # position, token, layer -> (key, value)
+
+
+class KeptHeadKV:
+    """The head's K/V of each new beam's last token, as the drawing step computed it (a forest row written to no
+    paged slot: sibling beams share one request until the scheduler forks them), kept for the next iteration,
+    whose chain would otherwise compute the same row again (same token, position, feature and context): that
+    iteration writes it to the beam's slot instead. Per group, one iteration's beams, by beam slot."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, tuple[int, dict[int, KeptRow]]] = {}  # group -> (iteration, beam slot -> row)
+
+    def put(self, group_id: str, step: int, rows: dict[int, KeptRow]) -> None:
+        self._kept[group_id] = step, rows
+
+    def take(self, group_id: str, step: int, slot: int, position: int,
+             token: int) -> dict[str, tuple[Tensor, Tensor]] | None:
+        """Beam ``slot``'s K/V of iteration ``step`` if kept for this position and token (else None)."""
+        kept_step, rows = self._kept.get(group_id, (None, {}))
+        row = rows.get(slot) if kept_step == step else None
+        return row[2] if row is not None and row[:2] == (position, token) else None
+
+    def forget(self, group_ids) -> None:
+        for gid in group_ids:
+            self._kept.pop(gid, None)
+
+    def __len__(self) -> int:
+        return len(self._kept)
 
 
 def num_layers(draft_next: int, max_tokens_left: int, num_passed: int, has_beams: bool) -> int:
@@ -96,8 +131,11 @@ def job(runner, vs: VerifyStep, decision: VerifyDecision) -> Job | None:
         path = first_path_through(vs.paths, vs.aliases, c.parent)
         if path not in chains:
             index = batch.req_id_to_index[vs.path_req_ids[path]]
-            verified = [int(batch.token_ids_cpu[index, root_len - 1])] + vs.path_tokens(path, depth)
-            chains[path] = Chain(index, root_len - 1, verified)
+            root_token = int(batch.token_ids_cpu[index, root_len - 1])
+            verified = [root_token] + vs.path_tokens(path, depth)
+            kept = runner._dsbd_head_kv.take(vs.group_id, vs.step, vs.paths[path][0], root_len - 1, root_token)
+            chains[path] = Chain(index, root_len - 1, verified) if kept is None else \
+                Chain(index, root_len, verified[1:], kept)
         beams.append((chains[path], c.token, 0.0 if mjsd else c.score))  # MJSD scores a draft path by log Q
     return Job(vs, layers, beams, mjsd)
 
@@ -116,7 +154,10 @@ def job_after_beam_step(runner, step: GroupStep, decision: GroupDecision) -> Job
         if c.parent not in chains:
             index = batch.req_id_to_index[step.req_ids[c.parent]]
             start = min(step.draft_from[c.parent], step.seq_len - 1)
-            chains[c.parent] = Chain(index, start, [int(t) for t in batch.token_ids_cpu[index, start:step.seq_len]])
+            tokens = [int(t) for t in batch.token_ids_cpu[index, start:step.seq_len]]
+            kept = runner._dsbd_head_kv.take(step.group_id, step.step, c.parent, start, tokens[0])
+            chains[c.parent] = Chain(index, start, tokens) if kept is None else \
+                Chain(index, start + 1, tokens[1:], kept)
         beams.append((chains[c.parent], c.token, c.score))
     return Job(step, layers, beams)
 
@@ -157,11 +198,14 @@ def draw(runner, jobs: list[Job]) -> None:
         rows.slots.append(slot(blocks, pos) if paged else -1)
         return len(tokens) - 1
 
+    preset: list[tuple[int, dict[str, tuple[Tensor, Tensor]]]] = []  # (slot, kept K/V): written first
     for job in jobs:
         start, chain_rows, last = len(tokens), {}, []
         for chain, token, _ in job.beams:
             if id(chain) not in chain_rows:  # one block table per chain: forest attention reads its context once
                 blocks, ids = table.block_table.cpu[chain.index], []
+                if chain.kept is not None:
+                    preset.append((slot(blocks, chain.start - 1), chain.kept))
                 for j, t in enumerate(chain.tokens):
                     ids.append(add(t, chain.start + j, blocks, chain.start, True, list(ids)))
                 chain_rows[id(chain)] = blocks, ids
@@ -170,6 +214,11 @@ def draw(runner, jobs: list[Job]) -> None:
         parts.append(_Part(job, last, list(range(len(last))), [score for _, _, score in job.beams],
                            positions[last[0]], start))
     features = runner._dsbd_features.read(torch.tensor(feature_slots, device=runner._dsbd_features.features.device))
+    if preset:
+        rows.preset = {name: (torch.stack([kv[name][0] for _, kv in preset]),
+                              torch.stack([kv[name][1] for _, kv in preset]),
+                              torch.tensor([s for s, _ in preset], device=features.device))
+                       for name in runner._dsbd_forest_layers}
     layer = 1
     while parts:
         # the dtypes of vLLM's input buffers, which the head's compiled graph was traced with (head_forward)
@@ -177,6 +226,8 @@ def draw(runner, jobs: list[Job]) -> None:
             runner.drafter.model, runner._dsbd_forest_layers, runner.vllm_config,
             torch.tensor(tokens, dtype=runner.input_ids.gpu.dtype, device=features.device),
             torch.tensor(positions, dtype=runner.positions.dtype, device=features.device), features, rows)
+        if layer == 1:
+            _keep_last_rows(runner, rows, parts)
         ends = [p.start for p in parts[1:]] + [len(tokens)]
         for part, end in zip(parts, ends):
             part.job.rows += end - part.start
@@ -202,6 +253,19 @@ def draw(runner, jobs: list[Job]) -> None:
         if parents:
             features = own[torch.tensor(parents, device=own.device)]
         rows, parts, layer = next_rows, next_parts, layer + 1
+
+
+def _keep_last_rows(runner, rows: forest_attention.ForestRows, parts: list[_Part]) -> None:
+    """Keep each job's new beams' K/V of their last token (layer 1's ``last`` rows) for the next iteration
+    (:class:`KeptHeadKV`): beam k of the decision is the next iteration's beam slot k."""
+    scratch = rows.scratch
+    for part in parts:
+        group = part.job.group
+        runner._dsbd_head_kv.put(group.group_id, group.step + 1, {
+            k: (part.first, part.job.beams[k][1],
+                {name: (scratch.keys[name][rows.row_ids[r]].clone(), scratch.values[name][rows.row_ids[r]].clone())
+                 for name in runner._dsbd_forest_layers})
+            for k, r in enumerate(part.last)})
 
 
 def _draw_layer(runner, normed: torch.Tensor, parts: list[_Part], layer: int) -> list[list[int]]:

@@ -71,6 +71,7 @@ class DSBDModelRunnerMixin:
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._dsbd_drafts = spec_step.DraftStore()
+        self._dsbd_head_kv = forest_draft.KeptHeadKV()  # the head's K/V of the beams' last tokens (draft_in_step)
         self._dsbd_digest = None  # a hashlib.sha256 once dsbd_record_decisions turns recording on
         self._dsbd_profile = StepProfile()
         self._dsbd_stops = StopCheckers(self._dsbd_decode)
@@ -218,6 +219,7 @@ class DSBDModelRunnerMixin:
         plan = self._dsbd_plan = getattr(scheduler_output, PLAN_ATTR, None)
         if plan is not None:  # here, not in _sample: a step with no scheduled token returns before sampling
             self._dsbd_drafts.forget(plan.forget_group_ids)
+            self._dsbd_head_kv.forget(plan.forget_group_ids)
         self._dsbd_scheduler_output = scheduler_output
         self._dsbd_result = None
         if self._dsbd_features is not None:  # forks copy their tail block's features as vLLM copies its KV
