@@ -40,6 +40,13 @@ def in_step_llm(engine_pool, tiny_eos_target, heads):
                                                                  knobs={"draft_in_step": True}))
 
 
+@pytest.fixture
+def inproc_in_step_llm(engine_pool, tiny_eos_target, heads):
+    """As ``in_step_llm``, its engine core in this process, so a test can reach its scheduler and runner."""
+    return engine_pool.get("inproc_in_step_llm", lambda: start_spec_llm(
+        tiny_eos_target, heads["speculators"], {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, knobs={"draft_in_step": True}))
+
+
 TIGHT_KV = 60 * 32 * 768
 """About 60 KV blocks of 32 tokens (768 B a token for the tiny target and its draft together): a few beam
 groups at once, which growing plain requests beside them make vLLM preempt."""

@@ -415,13 +415,6 @@ def test_forest_attention_gives_the_draft_steps_logits(head_llm, monkeypatch):
     assert max(diffs[1] + diffs[2]) < 1e-3, diffs
 
 
-@pytest.fixture
-def inproc_in_step_llm(engine_pool, tiny_eos_target, heads):
-    """As ``in_step_llm``, its engine core in this process, so a test can set its depth policy."""
-    return engine_pool.get("inproc_in_step_llm", lambda: start_spec_llm(
-        tiny_eos_target, heads["speculators"], {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, knobs={"draft_in_step": True}))
-
-
 def _steps(llm) -> dict[str, int]:
     return {kind: int(p["steps"]) for kind, p in llm.collective_rpc("dsbd_step_profile")[0].items()}
 

@@ -51,8 +51,9 @@ def test_reduced_head_refuses_a_soft_capped_head():
         install_reduced_head(model, torch.tensor([0, 1]))
 
 
-def _verify_step(group_id, rids, paths) -> VerifyStep:
-    return SimpleNamespace(group_id=group_id, path_req_ids=tuple(rids), paths=tuple(paths))
+def _verify_step(group_id, rids, paths, shared=()) -> VerifyStep:
+    return SimpleNamespace(group_id=group_id, path_req_ids=tuple(rids), paths=tuple(paths),
+                           skip=lambda k: shared[k] if shared else 0)
 
 
 def test_shared_rows_point_repeated_nodes_at_their_first_row():
@@ -75,3 +76,9 @@ def test_shared_rows_follow_the_batch_layout_and_keep_groups_apart():
 def test_no_shared_rows_without_repeated_nodes():
     vs = _verify_step("g", ["a", "b"], [(0, 2), (1, 3)])
     assert shared_node_rows([vs], {"a": 0, "b": 2}, 4) is None
+
+
+def test_no_shared_rows_where_a_path_holds_the_nodes_an_earlier_one_computes():
+    """``VerifyStep.shared``: the second path's request holds root 0 and has one row, its own node 3."""
+    vs = _verify_step("g", ["a", "b", "c"], [(0, 2), (0, 3), (1,)], shared=(0, 1, 0))
+    assert shared_node_rows([vs], {"a": 0, "b": 2, "c": 3}, 4) is None

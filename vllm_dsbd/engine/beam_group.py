@@ -51,6 +51,7 @@ from vllm_dsbd.engine.protocol import (
     first_path_through,
     layer_slot,
     node_id,
+    shared_prefixes,
 )
 from vllm_dsbd.engine.group_effects import Beam, DraftNode, Extend, Fork, Free, Op, PathRequest, StepEffects
 from vllm_dsbd.engine.stops import tail_length
@@ -120,6 +121,8 @@ class BeamGroup:
         self.aliases: dict[int, int] = {}  # leaf -> its twin (same parent and token), which has the path
         self.path_requests: list[PathRequest] = []
         self.draft_in_step = False  # set by the scheduler: the runner drafts the next forest while verifying
+        self.share_path_rows = False  # set by the scheduler: a path holds the nodes an earlier one computes
+        self.path_skips: list[int] = []  # per path: its leading nodes an earlier path computes
         self.draft_next = params.num_speculative_tokens  # γ it drafts there (auto_depth: chosen per iteration)
         # The deepest iteration its admission reserved request slots and KV blocks for: γ, or less for an
         # auto_depth group admitted when γ's did not fit (engine.group_admission).
@@ -245,11 +248,12 @@ class BeamGroup:
         """Root-to-leaf paths of the forest (``algorithm.forest`` order): one request each (MJSD: one path)."""
         if self.mjsd:
             path = self._mjsd_path()
-            self.paths, self.aliases = [path], {}
+            self.paths, self.aliases, self.path_skips = [path], {}, [0]
             self.path_requests = [PathRequest(self.beams[0].request, self.node_path(path[-1])[1], reuse_root=True)]
             return list(self.path_requests)
         if not self.layers:  # no draft layer (a plain beam step): each beam alone is a path, its root slot's id
             self.paths, self.aliases = [(slot,) for slot in range(len(self.beams))], {}
+            self.path_skips = [0] * len(self.paths)
             self.path_requests = [PathRequest(beam.request, [], reuse_root=True) for beam in self.beams]
             return list(self.path_requests)
         from vllm_dsbd.algorithm.forest import build_forest, root_to_leaf_paths
@@ -281,14 +285,14 @@ class BeamGroup:
             if key is not None:
                 twins[key] = leaf
             self.paths.append(path)
+        self.path_skips = shared_prefixes(self.paths) if self.share_path_rows else [0] * len(self.paths)
         used_roots: set[int] = set()
         self.path_requests = []
-        for path in self.paths:
-            root = path[0]
-            request = PathRequest(self.beams[root].request, [node_tokens[n] for n in path[1:]],
-                                  reuse_root=root not in used_roots)
-            used_roots.add(root)
-            self.path_requests.append(request)
+        for path, skip in zip(self.paths, self.path_skips):  # skip 0: the first path from its root
+            tokens = [node_tokens[n] for n in path[1:]]
+            self.path_requests.append(PathRequest(self.beams[path[0]].request, tokens[skip:],
+                                                  reuse_root=path[0] not in used_roots, tokens=tokens[:skip]))
+            used_roots.add(path[0])
         return list(self.path_requests)
 
     def _mjsd_path(self) -> tuple[int, ...]:
@@ -317,7 +321,7 @@ class BeamGroup:
         return VerifyStep(
             **self.decoding(),
             path_req_ids=tuple(pr.request.request_id for pr in self.path_requests),
-            paths=tuple(self.paths),
+            paths=tuple(self.paths), shared=tuple(self.path_skips) if any(self.path_skips) else (),
             root_scores=tuple(b.score for b in self.beams) + (float("-inf"),) * (width - num_roots),
             root_valid=(True,) * num_roots + (False,) * (width - num_roots),
             draft_parents=tuple(map(tuple, parents)), draft_tokens=tuple(map(tuple, tokens)),
@@ -377,8 +381,9 @@ class BeamGroup:
             kept.add(path)
             request = self.path_requests[path].request
             base = self.beams[root]
-            if tokens:
-                effects.ops.append(Extend(request, list(tokens), computed=True))
+            new = tokens[self.path_skips[path]:]  # the path's request holds its shared nodes already
+            if new:
+                effects.ops.append(Extend(request, list(new), computed=True))
             for k in kids[1:]:
                 c = decision.beams[k]
                 child = Beam(None, base.tokens + tokens + [c.token], c.score, base.logprobs + list(c.logprobs))

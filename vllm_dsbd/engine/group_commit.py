@@ -220,7 +220,19 @@ class CommitMixin:
                     op.request = root
                 else:  # the target's KV of the root, up to its last token, which the path recomputes
                     op.request = self._fork(group, root, None, num_shared=root.dsbd_target)
+                    self._hold_shared(op.request, op.tokens, root.dsbd_target)
                 op.request.spec_token_ids = list(op.spec_tokens)
+
+    def _hold_shared(self, request: Request, tokens: list[int], frontier: int) -> None:
+        """A path that shares its first nodes with an earlier path (``engine.shared_rows``): its fork of the
+        root gets the path's tokens through its first own node, and holds the root's last token and the
+        shared nodes as computed (the runner writes their K/V to its slots in the verify step, from the rows
+        of the path that computes them). A fork that recomputes its KV (no free block) computes them too."""
+        if not tokens:
+            return
+        request.append_output_token_ids(tokens)
+        if request.num_computed_tokens == frontier and request.dsbd_target == frontier:
+            request.num_computed_tokens = request.dsbd_target = frontier + len(tokens)
 
     def _finish_group(self, group: BeamGroup, outputs: dict[int, list[EngineCoreOutput]]) -> list[Request]:
         """Emit the best ``n`` hypotheses under the user request ids and free everything.

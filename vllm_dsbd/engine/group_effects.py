@@ -33,6 +33,9 @@ class PathRequest:
     spec_tokens: list[int]
     reuse_root: bool  # the root's request is the path's (else a fork of it, set by the scheduler)
     request: Any = None
+    # a fork's first tokens after the root's: the path's nodes below the root that an earlier path computes,
+    # then its first own node (engine.shared_rows); the fork holds the shared ones as computed
+    tokens: list[int] = field(default_factory=list)
 
 
 @dataclass

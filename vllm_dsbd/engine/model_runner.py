@@ -41,12 +41,13 @@ import time
 import numpy as np
 import torch
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.engine import (beam_step, cpu_memory, draft_head, eagle3, forest_attention, forest_draft, mjsd_step,
-                              spec_step, verify_step)
+                              shared_rows, spec_step, verify_step)
 from vllm_dsbd.engine.protocol import (PLAN_ATTR, RESULT_ATTR, GroupTiming, StepPlan, StepResult, first_path_through,
                                        layer_slot)
 from vllm_dsbd.engine.stops import StopCheckers
@@ -72,6 +73,8 @@ class DSBDModelRunnerMixin:
         super().__init__(*args, **kwargs)
         self._dsbd_drafts = spec_step.DraftStore()
         self._dsbd_head_kv = forest_draft.KeptHeadKV()  # the head's K/V of the beams' last tokens (draft_in_step)
+        self._dsbd_shared = shared_rows.SharedRows()  # forest nodes on several paths, computed once (CPU)
+        self._dsbd_shared_groups: set[int] = set()  # the KV-cache groups of the target's layers
         self._dsbd_digest = None  # a hashlib.sha256 once dsbd_record_decisions turns recording on
         self._dsbd_profile = StepProfile()
         self._dsbd_stops = StopCheckers(self._dsbd_decode)
@@ -141,15 +144,16 @@ class DSBDModelRunnerMixin:
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
-        if not self._dsbd_head:
-            return
-        gid = self._dsbd_features_gid = max(getattr(self.drafter, "kv_cache_gid", 0), 0)
-        block_size = kv_cache_config.kv_cache_groups[gid].kv_cache_spec.block_size
-        self._dsbd_features = eagle3.FeatureCache(
-            kv_cache_config.num_blocks, block_size, self.drafter.model.config.hidden_size,
-            self.drafter.model.model.embed_tokens.weight.dtype, self.device)
-        logger.info("DSBD: EAGLE-3 feature cache, %d slots, %.1f MiB", self._dsbd_features.features.shape[0],
-                    self._dsbd_features.nbytes / 2**20)
+        if self._dsbd_head:
+            gid = self._dsbd_features_gid = max(getattr(self.drafter, "kv_cache_gid", 0), 0)
+            block_size = kv_cache_config.kv_cache_groups[gid].kv_cache_spec.block_size
+            self._dsbd_features = eagle3.FeatureCache(
+                kv_cache_config.num_blocks, block_size, self.drafter.model.config.hidden_size,
+                self.drafter.model.model.embed_tokens.weight.dtype, self.device)
+            logger.info("DSBD: EAGLE-3 feature cache, %d slots, %.1f MiB", self._dsbd_features.features.shape[0],
+                        self._dsbd_features.nbytes / 2**20)
+        if current_platform.is_cpu():  # BeamGroup.share_path_rows is the scheduler's side of it
+            self._dsbd_shared_groups = shared_rows.attach(self, kv_cache_config)
 
     def _shared_node_logits(self, compute_logits):
         """The target's head runs once per forest node of a verify step, not once per path through it
@@ -178,7 +182,13 @@ class DSBDModelRunnerMixin:
         if self._dsbd_features is not None:
             forward = self._head_forward if self._dsbd_plan is not None and self._dsbd_plan.draft \
                 else self._target_forward_with_features
-        return self._dsbd_profile.timed_forward(forward)(*args, **kwargs)
+        plan = self._dsbd_plan
+        if plan is not None and plan.verify_steps and not plan.draft:
+            self._dsbd_shared.now = shared_rows.copies_for(self, plan.verify_steps)
+        try:
+            return self._dsbd_profile.timed_forward(forward)(*args, **kwargs)
+        finally:
+            self._dsbd_shared.now = None
 
     def _dsbd_slots(self):
         """This step's rows: their number (unpadded), KV slots and block table of the head's KV-cache group."""
@@ -191,7 +201,11 @@ class DSBDModelRunnerMixin:
         _, aux = output = super()._model_forward(*args, **kwargs)
         num_rows, slots, _ = self._dsbd_slots()
         stacked = torch.cat([a[:num_rows] for a in aux], dim=-1).to(self._dsbd_features.features.dtype)
-        self._dsbd_features.write(slots, self.drafter.model.combine_hidden_states(stacked))
+        features = self.drafter.model.combine_hidden_states(stacked)
+        self._dsbd_features.write(slots, features)
+        copies = self._dsbd_shared.now  # shared forest rows: their features at the later paths' slots too
+        if copies is not None:
+            self._dsbd_features.write(copies.slots[self._dsbd_features_gid], features[copies.rows])
         return output
 
     def _head_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
@@ -489,8 +503,8 @@ def _path_row_tokens(vs, decision) -> list[list[int] | None]:
     out: list[list[int] | None] = [None] * len(vs.paths)
     for c in decision.beams:
         path = first_path_through(vs.paths, vs.aliases, c.parent)
-        if out[path] is None:
-            out[path] = vs.path_tokens(path, layer_slot(c.parent, vs.beam_width)[0]) + [c.token]
+        if out[path] is None:  # the tokens the path's request does not hold yet (``VerifyStep.shared``)
+            out[path] = vs.path_tokens(path, layer_slot(c.parent, vs.beam_width)[0])[vs.skip(path):] + [c.token]
     return out
 
 

@@ -34,6 +34,21 @@ def layer_slot(node: int, width: int) -> tuple[int, int]:
     return layer + 1, slot
 
 
+def shared_prefixes(paths) -> list[int]:
+    """Per path (node ids, root first): how many of its leading nodes an earlier path holds. Paths of one
+    forest share prefixes only (a root, then the nodes down to where they part); a path whose root no earlier
+    path has shares 0."""
+    seen: set[int] = set()
+    out = []
+    for path in paths:
+        k = 0
+        while k < len(path) and path[k] in seen:
+            k += 1
+        out.append(k)
+        seen.update(path)
+    return out
+
+
 def first_path_through(paths, aliases, node: int) -> int:
     """The first of ``paths`` (node ids, root first) through ``node``, or through its twin (``aliases``:
     leaf -> twin; a leaf drawn twice continues on its twin's path): its request carries the node's children."""
@@ -101,8 +116,9 @@ class VerifyStep(GroupDecoding):
 
     Node ids follow ``algorithm.forest``: roots (the beams, padded to W
     slots) are ``0..W-1``, draft node (layer i, slot j) is ``W + (i-1)*W + j``.
-    Path request k computed the target at every node of ``paths[k]``; a node of ``aliases`` is
-    computed as its twin.
+    Path request k computed the target at every node of ``paths[k]`` from ``shared[k]`` on (its first
+    ``shared[k]`` nodes, computed by an earlier path, it holds as computed tokens: ``engine.shared_rows``);
+    a node of ``aliases`` is computed as its twin.
     """
 
     path_req_ids: tuple[str, ...]  # [num_paths]
@@ -126,10 +142,17 @@ class VerifyStep(GroupDecoding):
     """γ of the next iteration, drafted by the runner right after this verification (an EAGLE-3 head with
     ``draft_in_step``; ``engine.forest_draft``), cut to ``max_tokens_left``; 0: by draft steps, as before."""
     max_tokens_left: int = 0  # max_tokens - generated before this iteration (with draft_next)
+    shared: tuple[int, ...] = ()
+    """Per path: its leading nodes that an earlier path's request computes (``shared_prefixes``); its
+    logits rows start at node ``shared[k]``. Empty: every path computes all its nodes."""
     prune_floor: float = float("-inf")
     """T 0: ``algorithm.verify_forest_greedy``'s ``prune_floor``, the score below which a beam's finished
     hypotheses cannot reach the group's results (``BeamGroup.prune_floor``); -inf leaves out no beam that could
     finish one."""
+
+    def skip(self, path: int) -> int:
+        """The leading nodes of ``paths[path]`` that its request holds as computed (no logits row)."""
+        return self.shared[path] if self.shared else 0
 
     def path_tokens(self, path: int, depth: int) -> list[int]:
         """The draft tokens of ``paths[path]`` at layers 1..depth (the tokens it verified up to that depth)."""

@@ -58,6 +58,7 @@ import time
 from collections import deque
 
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -149,6 +150,7 @@ class DSBDScheduler(AdmissionMixin, PlanMixin, CommitMixin, BeamKVMixin, Schedul
         root = self._internal_request(group_id, first, list(first.prompt_token_ids), first._block_hasher)
         group = BeamGroup(group_id, [u.request_id for u in users], first.num_prompt_tokens, params, root)
         group.draft_in_step = config.draft_in_step and params.num_speculative_tokens > 0
+        group.share_path_rows = current_platform.is_cpu()  # engine.shared_rows: where a forest row costs
         self.groups[group_id] = group
         self._admission.append(group_id)
 

@@ -211,8 +211,9 @@ def shared_node_rows(verify_steps: Sequence[VerifyStep], row_start: Mapping[str,
     shared = False
     for vs in verify_steps:
         first_row: dict[int, int] = {}
-        for rid, path in zip(vs.path_req_ids, vs.paths):
-            for offset, node in enumerate(path):
+        for k, (rid, path) in enumerate(zip(vs.path_req_ids, vs.paths)):
+            skip = vs.skip(k)  # rows from the path's first own node (``VerifyStep.shared``): none repeats
+            for offset, node in enumerate(path[skip:]):
                 row = row_start[rid] + offset
                 if node in first_row:
                     source[row], shared = first_row[node], True

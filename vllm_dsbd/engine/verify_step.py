@@ -47,8 +47,9 @@ GREEDY_CHUNK_BYTES = 24 << 20
 @dataclass
 class GroupInput:
     """One group's verification inputs. path_starts: the first row, in the step's logits, of each path of
-    ``vs.paths`` (its rows follow the path's nodes, root first). draft_joints: [layers, W*V] (``T > 0``; None
-    at ``T = 0``), or [layers, W*K] over the columns of ``draft_support`` (``spec_step.DraftStore``)."""
+    ``vs.paths`` (its rows follow the path's nodes from its first own one, ``vs.shared``). draft_joints:
+    [layers, W*V] (``T > 0``; None at ``T = 0``), or [layers, W*K] over the columns of ``draft_support``
+    (``spec_step.DraftStore``)."""
 
     vs: VerifyStep
     path_starts: Sequence[int]
@@ -150,16 +151,18 @@ def _verify_bucket(logits: Tensor, members: list[GroupInput], stops: StopChecker
 
 def _node_logits(logits: Tensor, members: list[GroupInput], depth: int) -> Tensor:
     """[G, depth+1, W, V] float32: each group's node logits, read from the first path through the node (an
-    alias leaf from its twin's), in one indexed copy. A node on no path (an empty root slot, a draft that does
-    not exist, a layer past the group's depth) gets its group's first row: verification never reads it."""
+    alias leaf from its twin's; a path's rows start at its first node no earlier path holds, ``vs.shared``),
+    in one indexed copy. A node on no path (an empty root slot, a draft that does not exist, a layer past the
+    group's depth) gets its group's first row: verification never reads it."""
     width = members[0].vs.beam_width
     per_group = (depth + 1) * width
     src = []
     for g in members:
         rows = [g.path_starts[0]] * per_group
         seen = set()
-        for start, path in zip(g.path_starts, g.vs.paths):
-            for offset, node in enumerate(path):
+        for k, (start, path) in enumerate(zip(g.path_starts, g.vs.paths)):
+            skip = g.vs.skip(k)  # the path's rows start at its first own node
+            for offset, node in enumerate(path[skip:]):
                 if node not in seen:
                     seen.add(node)
                     rows[node] = start + offset
