@@ -57,6 +57,7 @@ MODULE_ORDER = [
     "engine/test_beam_engine.py",  # dsbd_tiny_llm, dsbd_target_llm, target_llm, tiny_eos_llm
     "engine/test_beam_logprobs.py", "engine/test_beam_stop_tokens.py",  # dsbd_tiny_llm, dsbd_tiny_spec_llm
     "engine/test_draft_vocab.py", "engine/test_wide_beams.py", "engine/test_dsbd_eagle3.py",  # tiny_eos_llm, own
+    "engine/test_shared_forest_rows.py",  # inproc_in_step_llm, tiny_eos_llm (as test_dsbd_eagle3.py)
     "engine/test_accepted_drafts.py",  # its own soft permutation pair
     "engine/test_preemption.py",  # in_step_llm, dsbd_tiny_spec_llm, own, pressure_spec_llm (and test_fuzz)
     "engine/test_auto_depth.py", "engine/test_bf16.py", "engine/test_dsbd_engine.py", "engine/test_mjsd_engine.py",
