@@ -93,8 +93,12 @@ class KeptHeadKV:
         for gid in group_ids:
             self._kept.pop(gid, None)
 
-    def __len__(self) -> int:
-        return len(self._kept)
+
+def _chain(runner, group_id: str, step: int, slot: int, index: int, start: int, tokens: list[int]) -> Chain:
+    """Beam ``slot``'s chain from ``start``; one token shorter when the step before kept the head's K/V of
+    its first token (:class:`KeptHeadKV`)."""
+    kept = runner._dsbd_head_kv.take(group_id, step, slot, start, tokens[0])
+    return Chain(index, start, tokens) if kept is None else Chain(index, start + 1, tokens[1:], kept)
 
 
 def num_layers(draft_next: int, max_tokens_left: int, num_passed: int, has_beams: bool) -> int:
@@ -131,11 +135,8 @@ def job(runner, vs: VerifyStep, decision: VerifyDecision) -> Job | None:
         path = first_path_through(vs.paths, vs.aliases, c.parent)
         if path not in chains:
             index = batch.req_id_to_index[vs.path_req_ids[path]]
-            root_token = int(batch.token_ids_cpu[index, root_len - 1])
-            verified = [root_token] + vs.path_tokens(path, depth)
-            kept = runner._dsbd_head_kv.take(vs.group_id, vs.step, vs.paths[path][0], root_len - 1, root_token)
-            chains[path] = Chain(index, root_len - 1, verified) if kept is None else \
-                Chain(index, root_len, verified[1:], kept)
+            verified = [int(batch.token_ids_cpu[index, root_len - 1])] + vs.path_tokens(path, depth)
+            chains[path] = _chain(runner, vs.group_id, vs.step, vs.paths[path][0], index, root_len - 1, verified)
         beams.append((chains[path], c.token, 0.0 if mjsd else c.score))  # MJSD scores a draft path by log Q
     return Job(vs, layers, beams, mjsd)
 
@@ -155,9 +156,7 @@ def job_after_beam_step(runner, step: GroupStep, decision: GroupDecision) -> Job
             index = batch.req_id_to_index[step.req_ids[c.parent]]
             start = min(step.draft_from[c.parent], step.seq_len - 1)
             tokens = [int(t) for t in batch.token_ids_cpu[index, start:step.seq_len]]
-            kept = runner._dsbd_head_kv.take(step.group_id, step.step, c.parent, start, tokens[0])
-            chains[c.parent] = Chain(index, start, tokens) if kept is None else \
-                Chain(index, start + 1, tokens[1:], kept)
+            chains[c.parent] = _chain(runner, step.group_id, step.step, c.parent, index, start, tokens)
         beams.append((chains[c.parent], c.token, c.score))
     return Job(step, layers, beams)
 
